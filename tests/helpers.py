@@ -26,3 +26,27 @@ def tiny_model(seed: int = 0, **overrides) -> Transformer:
             else:
                 p.normal_(0.0, 0.15)
     return model.eval()
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+_TEXT = ("It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in "
+         "want of a wife. However little known the feelings or views of such a man may be on his first entering "
+         "a neighbourhood, this truth is so well fixed in the minds of the surrounding families. Prices: 12, 345, "
+         "6789 — naïve café déjà vu ✓ 你好.\n") * 20
+
+
+def tiny_tokenizer(vocab_size: int = 300):
+    """A byte-level BPE trained in-process (a second), with ChatML special tokens and template."""
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+
+    from edgefinfer.tokenizer import Tokenizer
+
+    backend = HFTokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    backend.train_from_iterator([_TEXT], trainer)
+    return Tokenizer(backend, bos_token="<|im_start|>", eos_token="<|im_end|>", chat_template=CHATML)

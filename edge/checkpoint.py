@@ -1,0 +1,182 @@
+"""Hugging Face checkpoint folders in and out.
+
+A folder holds `config.json`, `model.safetensors` (or shards listed in `model.safetensors.index.json`),
+and the tokenizer files. Saving writes a temporary sibling folder and renames it into place, so an
+interrupted save never leaves a half-written checkpoint at the destination.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from edgefinfer.config import ModelConfig
+from edgefinfer.errors import UserError
+from edgefinfer.model import Transformer, rope_inv_freq
+
+# Files that travel with the weights when a checkpoint is re-saved.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "generation_config.json", "chat_template.jinja")
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in _DTYPES:
+        raise UserError(f"unknown dtype {name!r}: use one of {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def load_config(path: str | Path) -> ModelConfig:
+    folder = _existing_folder(path)
+    cfg_file = folder / "config.json"
+    if not cfg_file.is_file():
+        raise UserError(f"{folder} has no config.json: is it a Hugging Face model folder?")
+    try:
+        hf = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{cfg_file} is not valid JSON ({e.msg} at line {e.lineno})") from None
+    try:
+        return ModelConfig.from_hf(hf)
+    except KeyError as e:
+        raise UserError(f"{cfg_file} lacks the required key {e.args[0]!r}") from None
+
+
+def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of a folder's safetensors file(s), verified to be readable."""
+    folder = _existing_folder(path)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError):
+            raise UserError(f"{index} is not a valid safetensors index (needs a 'weight_map')") from None
+    elif (folder / "model.safetensors").is_file():
+        shards = ["model.safetensors"]
+    else:
+        raise UserError(f"{folder} has no model.safetensors (nor a model.safetensors.index.json)")
+    state: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        file = folder / shard
+        if not file.is_file():
+            raise UserError(f"shard {shard} listed in {index.name} is missing from {folder}")
+        try:
+            state.update(load_file(file))
+        except (SafetensorError, OSError) as e:
+            raise UserError(f"{file} is truncated or corrupt ({e}); re-download or re-save it") from None
+    return state
+
+
+def load_model(path: str | Path, dtype: str | torch.dtype | None = "float32") -> Transformer:
+    """Load a HF folder into our Transformer (eval mode). dtype None keeps the stored dtype."""
+    config = load_config(path)
+    state = load_state_dict(path)
+    # transformers omits lm_head.weight when embeddings are tied.
+    state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
+    with torch.device("meta"):
+        model = Transformer(config)
+    expected = set(model.state_dict())
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+        expected.discard("lm_head.weight")
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unexpected:
+        what = f"missing {missing[:3]}" if missing else f"unexpected {unexpected[:3]}"
+        raise UserError(f"weights in {path} do not match its config.json: {what} "
+                        f"({len(missing)} missing, {len(unexpected)} unexpected)")
+    for name, tensor in state.items():
+        want = model.get_parameter(name).shape
+        if tensor.shape != want:
+            raise UserError(f"{name} in {path} has shape {tuple(tensor.shape)}, config.json implies {tuple(want)}")
+    model.load_state_dict(state, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.inv_freq = rope_inv_freq(config)  # buffers were created on the meta device
+    if dtype is not None:
+        model = model.to(parse_dtype(dtype))
+    return model.eval()
+
+
+def save_model(model: Transformer, path: str | Path, tokenizer_dir: str | Path | None = None,
+               max_shard_bytes: int | None = None, extra_files: dict[str, str] | None = None) -> Path:
+    """Write `model` as a HF folder at `path` (atomically). Tokenizer files are copied from `tokenizer_dir`."""
+    dest = Path(path)
+    config = model.config.replace(torch_dtype=str(next(model.parameters()).dtype).removeprefix("torch."))
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # safetensors refuses shared storage; HF re-ties on load
+    with atomic_dir(dest) as tmp:
+        (tmp / "config.json").write_text(json.dumps(config.to_hf(), indent=2) + "\n")
+        _write_weights(state, tmp, max_shard_bytes)
+        if tokenizer_dir is not None:
+            for name in TOKENIZER_FILES:
+                src = Path(tokenizer_dir) / name
+                if src.is_file():
+                    shutil.copyfile(src, tmp / name)
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text)
+    return dest
+
+
+@contextmanager
+def atomic_dir(dest: Path) -> Iterator[Path]:
+    """Yield a temporary folder beside `dest`; on success it replaces `dest`, on failure it is removed."""
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    try:
+        yield tmp
+        if dest.exists():
+            old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
+            os.replace(dest, old)
+            os.replace(tmp, dest)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _write_weights(state: dict[str, torch.Tensor], folder: Path, max_shard_bytes: int | None) -> None:
+    meta = {"format": "pt"}
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    if max_shard_bytes is None or total <= max_shard_bytes:
+        save_file(state, folder / "model.safetensors", metadata=meta)
+        return
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name in sorted(state):
+        nbytes = state[name].numel() * state[name].element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = state[name]
+        size += nbytes
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, folder / fname, metadata=meta)
+        weight_map.update(dict.fromkeys(shard, fname))
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _existing_folder(path: str | Path) -> Path:
+    folder = Path(path)
+    if not folder.exists():
+        raise UserError(f"model folder {folder} does not exist (try `edgefinfer pull smollm2-135m`)")
+    if not folder.is_dir():
+        raise UserError(f"{folder} is a file; pass the Hugging Face model folder that contains it")
+    return folder

