@@ -1,0 +1,1 @@
+"""Backends: one class per artefact format, each implementing `edgefinfer.runtime.backends.base.Backend`."""

@@ -1,0 +1,39 @@
+"""The contract between the runtime (generation loop, speculative decoding) and an artefact's runtime.
+
+A backend owns one sequence's KV cache inside its own runtime (ExecuTorch buffers, ONNX Runtime
+tensors, a llama.cpp context, torch tensors) and exposes a single call: feed tokens at a position,
+get their logits. Everything else (sampling, stop strings, speculative decoding, streaming) is
+written once, above this line.
+
+Rollback after rejected speculative tokens is positional: the next `forward` starts at the first
+rejected position, and the backend must make the stale entries invisible (a static cache overwrites
+them and causality hides the rest; the ring cache masks entries at positions >= the new start;
+llama.cpp removes them with `llama_memory_seq_rm`). `rollback(length)` is the explicit hook for
+backends that need it.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence, runtime_checkable
+
+import numpy as np
+
+
+@runtime_checkable
+class Backend(Protocol):
+    name: str  # "torch" | "executorch" | "onnxruntime" | "llamacpp"
+    vocab_size: int
+    max_seq_len: int  # positions the cache can address (a window cache: unbounded, report a large number)
+    window: int | None  # a sliding-window cache keeps only this many recent positions (None: full context)
+
+    def forward(self, tokens: Sequence[int], start_pos: int) -> np.ndarray:
+        """Feed `tokens` at positions start_pos.. and return their logits, float32 [len(tokens), vocab]."""
+        ...
+
+    def rollback(self, length: int) -> None:
+        """Forget every cached position >= `length`."""
+        ...
+
+    def reset(self) -> None:
+        """Forget everything (a new sequence)."""
+        ...

@@ -1,0 +1,46 @@
+"""The reference backend: our eager torch model with a static or sliding-window cache."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from edgefinfer.cache import StaticCache
+from edgefinfer.errors import UserError
+from edgefinfer.model import Transformer
+from edgefinfer.runtime.kv.window import SlidingWindowCache
+
+
+class TorchBackend:
+    name = "torch"
+
+    def __init__(self, model: Transformer, max_seq_len: int | None = None, window: int | None = None,
+                 num_sinks: int = 0, lookahead: int = 8):
+        self.model = model.eval()
+        self.vocab_size = model.config.vocab_size
+        self.window = window
+        dtype = next(model.parameters()).dtype
+        if window is None:
+            self.max_seq_len = max_seq_len or model.config.max_position_embeddings
+            self.cache = StaticCache(model.config, 1, self.max_seq_len, dtype=dtype)
+        else:
+            self.max_seq_len = 1 << 30
+            self.cache = SlidingWindowCache(model.config, 1, window, num_sinks, lookahead, dtype=dtype)
+
+    @torch.inference_mode()
+    def forward(self, tokens: Sequence[int], start_pos: int) -> np.ndarray:
+        n = len(tokens)
+        if start_pos + n > self.max_seq_len:
+            raise UserError(f"the sequence would reach {start_pos + n} tokens but the cache holds {self.max_seq_len}; "
+                            f"use a sliding-window cache (--kv window:N) or a shorter prompt")
+        ids = torch.tensor([list(tokens)], dtype=torch.long)
+        pos = torch.arange(start_pos, start_pos + n)[None]
+        return self.model(ids, pos, self.cache)[0].float().numpy()
+
+    def rollback(self, length: int) -> None:
+        pass  # positional: stale entries are overwritten or masked (see edgefinfer.cache)
+
+    def reset(self) -> None:
+        self.cache.reset()
