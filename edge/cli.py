@@ -130,6 +130,23 @@ def generate(model: str, prompt: str, chat: bool, max_tokens: int, temperature: 
                f"ttft {s.prefill_s * 1000:.0f} ms, decode {s.decode_tok_s:.1f} tok/s]", err=True)
 
 
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the registry as JSON.")
+def targets(as_json: bool) -> None:
+    """List the build targets and whether each can be built on this machine."""
+    from edgefinfer.targets import TARGETS
+
+    rows = [{"target": t.name, "format": t.format, "backend": t.backend, "recipe": t.recipe,
+             "delegate": t.delegate, "buildable": not t.missing(), "missing": t.missing(),
+             "runs_here": t.runs_here, "description": t.description} for t in TARGETS.values()]
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    for r in rows:
+        state = "ready" if r["buildable"] else "missing: " + "; ".join(r["missing"])
+        click.echo(f"{r['target']:<13} {r['format']:<11} {r['backend']:<12} {r['recipe']:<10} {state}")
+
+
 def _not_built(name: str, issue: int, what: str) -> None:
     @cli.command(name=name, context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
                  help=f"{what} (not built yet).")
@@ -141,7 +158,6 @@ _not_built("distill", 3, "Distill a smaller student from a teacher")
 _not_built("prune", 3, "Prune a model: unstructured, 2:4, heads/channels/layers")
 _not_built("quantize", 4, "Quantize a model: int8, int4 RTN/GPTQ/AWQ, 8da4w, FP8, mixed precision")
 _not_built("build", 5, "Build a deployable bundle for a target (android, ios, qnn, gpu-server, ...)")
-_not_built("targets", 5, "List the build targets and whether each can be built here")
 _not_built("run", 6, "Run a bundle with the on-device runtime")
 _not_built("serve", 7, "Serve a model with the OpenAI-compatible server")
 _not_built("bench", 2, "Benchmarks live in bench/ (python bench/core.py); a CLI entry")

@@ -1,0 +1,90 @@
+"""Build targets: what each device family runs, how it is quantized, and what the build needs.
+
+A target names its artefact format, default quantization recipe and runtime backend. Its
+requirements are checked up front, before any work: a missing vendor SDK fails in well under a
+second with the SDK's name and how to get it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass, field
+
+from edgefinfer.errors import UserError
+
+
+@dataclass(frozen=True)
+class Requirement:
+    """A Python module that must be importable (or an environment variable set) to build a target."""
+
+    what: str  # human name, e.g. "ExecuTorch"
+    module: str | None = None
+    env: str | None = None
+    how: str = ""
+
+    def missing(self) -> str | None:
+        if self.module is not None and importlib.util.find_spec(self.module) is None:
+            return f"{self.what} is not installed ({self.how})"
+        if self.env is not None and not os.environ.get(self.env):
+            return f"{self.what} was not found: set {self.env} ({self.how})"
+        return None
+
+
+EXECUTORCH = Requirement("ExecuTorch", "executorch", how="pip install 'edgefinfer[compile]' or executorch==1.5.1")
+TORCHAO = Requirement("torchao", "torchao", how="pip install torchao==0.18.0")
+COREMLTOOLS = Requirement("coremltools", "coremltools", how="pip install coremltools==9.0 (comes with executorch)")
+ONNXRUNTIME = Requirement("ONNX Runtime", "onnxruntime", how="pip install onnxruntime==1.31.1")
+ONNX = Requirement("onnx", "onnx", how="pip install onnx")
+ORT_QNN = Requirement("onnxruntime-qnn (Qualcomm QNN execution provider)", "onnxruntime_qnn",
+                      how="pip install onnxruntime-qnn==2.7.0")
+MEDIATEK = Requirement("MediaTek NeuroPilot SDK (mtk_converter)", "mtk_converter",
+                       how="install mtk_converter and mtk_neuron from MediaTek's NeuroPilot SDK; they are not on PyPI")
+GGUF = Requirement("gguf", "gguf", how="pip install gguf==0.19.0")
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    description: str
+    format: str  # pte | onnx | qnn-context | gguf
+    backend: str  # executorch | onnxruntime | llamacpp
+    recipe: str  # default quantization recipe (see edgefinfer.compile.quant)
+    delegate: str | None = None  # xnnpack | coreml | qnn | neuropilot
+    requires: tuple[Requirement, ...] = field(default_factory=tuple)
+    runs_here: bool = True  # can this x86-64 Linux host execute the artefact (for measuring it)?
+
+    def missing(self) -> list[str]:
+        return [m for r in self.requires if (m := r.missing()) is not None]
+
+    def check(self) -> None:
+        """Raise a one-line UserError if the target cannot be built on this machine."""
+        missing = self.missing()
+        if missing:
+            raise UserError(f"target {self.name!r} cannot be built here: {'; '.join(missing)}")
+
+
+TARGETS: dict[str, Target] = {t.name: t for t in [
+    Target("android", "Android phones: ExecuTorch .pte on the CPU via XNNPACK, 8-bit dynamic activations "
+           "with 4-bit groupwise weights", "pte", "executorch", "8da4w-g32", "xnnpack", (EXECUTORCH, TORCHAO)),
+    Target("ios", "iPhones: ExecuTorch .pte delegated to Core ML (ANE/GPU/CPU), fp16", "pte", "executorch", "fp16",
+           "coreml", (EXECUTORCH, COREMLTOOLS), runs_here=False),
+    Target("coreml", "Macs with Core ML: ExecuTorch .pte delegated to Core ML, fp16", "pte", "executorch", "fp16",
+           "coreml", (EXECUTORCH, COREMLTOOLS), runs_here=False),
+    Target("linux-arm64", "ARM64 Linux boards (Raspberry Pi, Jetson CPU): ExecuTorch .pte via XNNPACK, 8da4w",
+           "pte", "executorch", "8da4w-g32", "xnnpack", (EXECUTORCH, TORCHAO)),
+    Target("linux-x86_64", "x86-64 Linux: ONNX Runtime CPU, int4 MatMulNBits", "onnx", "onnxruntime", "int4-g32",
+           None, (ONNX, ONNXRUNTIME)),
+    Target("qnn", "Qualcomm Snapdragon NPUs (HTP): ONNX Runtime QNN context binary, QDQ A16W8, static shapes",
+           "qnn-context", "onnxruntime", "qdq-a16w8", "qnn", (ONNX, ONNXRUNTIME, ORT_QNN), runs_here=True),
+    Target("mediatek", "MediaTek APUs: ExecuTorch .pte delegated to NeuroPilot", "pte", "executorch", "8da4w-g32",
+           "neuropilot", (EXECUTORCH, MEDIATEK), runs_here=False),
+    Target("gpu-server", "GPU servers: llama.cpp GGUF for edgefinfer serve (CUDA build of llama-cpp-python)",
+           "gguf", "llamacpp", "q8_0", None, (GGUF,)),
+]}
+
+
+def get_target(name: str) -> Target:
+    if name not in TARGETS:
+        raise UserError(f"unknown target {name!r}; choose one of: {', '.join(TARGETS)}")
+    return TARGETS[name]
