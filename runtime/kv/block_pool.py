@@ -1,0 +1,194 @@
+"""The physical side of the paged KV cache: a pool of fixed-size blocks, their reference counts, the
+prefix-cache index, and the free queue that doubles as the LRU of cached blocks.
+
+A block is only an id here (0 .. num_blocks-1); the storage behind it (a tensor pool, llama.cpp
+cells) lives elsewhere. Each block is in exactly one of three states:
+
+    used     ref_count > 0, held by at least one sequence's block table
+    cached   ref_count == 0, still registered under a content hash, so a later sequence can reuse it
+    empty    ref_count == 0, no hash: its contents are worthless
+
+The free queue holds every block with ref_count == 0 (cached and empty), in eviction order: the
+head is taken first. Taking a cached block evicts it (its hash entry is dropped). Blocks are
+released to the tail in the order the caller gives, so the least recently freed block is evicted
+first; empty blocks go to the head instead, because reusing them destroys nothing. (vLLM v1 sends
+every freed block to the tail; placing empty ones at the head only spares cached blocks.)
+
+Content hashes chain: a full block's hash covers its parent block's hash and its own token ids, so
+equal hashes mean equal prefixes, and a block is reused only at the same block index it was
+computed at, which keeps its positions (and RoPE) valid.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterable, Sequence
+
+from edgefinfer.errors import UserError
+
+BlockHash = Hashable
+# (parent block's hash or None for the first block, this block's token ids) -> hash
+BlockHashFn = Callable[[BlockHash | None, tuple[int, ...]], BlockHash]
+
+
+def sha256_block_hash(parent: BlockHash | None, token_ids: tuple[int, ...]) -> bytes:
+    """A collision-resistant hash, stable across processes and Python versions (the default).
+
+    Encoding: a tag byte (0 = no parent, 1 = parent follows), the 32-byte parent digest, then each
+    token id as a little-endian int64. The fixed widths make the encoding unambiguous.
+    """
+    h = hashlib.sha256()
+    if parent is None:
+        h.update(b"\x00")
+    else:
+        assert isinstance(parent, bytes) and len(parent) == 32, "parent must come from sha256_block_hash"
+        h.update(b"\x01")
+        h.update(parent)
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    return h.digest()
+
+
+def builtin_block_hash(parent: BlockHash | None, token_ids: tuple[int, ...]) -> int:
+    """Python's built-in hash of (parent, tokens): several times faster than sha256.
+
+    Tuples of ints hash the same in every process (PYTHONHASHSEED only salts str/bytes), but the
+    value is 64 bits and not collision-resistant: two different prefixes that collide would
+    silently share KV. Use it for trusted single-tenant workloads and tests, not a public server.
+    """
+    return hash((parent, token_ids))
+
+
+class BlockPool:
+    """Reference-counted blocks, the hash -> block index, and the free/LRU queue.
+
+    Mutating methods assume the caller already checked that enough blocks are free; they raise
+    AssertionError on misuse (a bug in the caller, not a user error).
+    """
+
+    def __init__(self, num_blocks: int, *, cache_freed_blocks: bool = True):
+        if num_blocks < 1:
+            raise UserError(f"num_blocks must be at least 1, got {num_blocks}; give the KV cache more blocks")
+        self.num_blocks = num_blocks
+        # False: a block loses its hash as soon as no sequence holds it. For storages that keep data
+        # per sequence (llama.cpp): once the last sequence is gone, so is the data.
+        self.cache_freed_blocks = cache_freed_blocks
+        self._ref_counts = [0] * num_blocks
+        self._hashes: list[BlockHash | None] = [None] * num_blocks
+        self._hash_to_block: dict[BlockHash, int] = {}
+        # Ordered set of blocks with ref_count 0; the first key is evicted first. OrderedDict gives
+        # O(1) pop-front, push-back, push-front and removal from the middle (a prefix hit).
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._num_cached = 0  # blocks in _free that hold a hash; kept so stats() is O(1)
+
+    # ---------------------------------------------------------------- queries
+    @property
+    def num_free(self) -> int:
+        """Blocks an allocation can take: empty ones and cached ones (taking those evicts them)."""
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        """Unreferenced blocks that still hold a hash (reusable until evicted)."""
+        return self._num_cached
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref_counts[block_id]
+
+    def block_hash(self, block_id: int) -> BlockHash | None:
+        return self._hashes[block_id]
+
+    def lookup(self, block_hash: BlockHash) -> int | None:
+        """The block registered under `block_hash`, used or cached, or None."""
+        return self._hash_to_block.get(block_hash)
+
+    def free_block_ids(self) -> list[int]:
+        """Blocks with ref_count 0 in the order they would be taken (the eviction order)."""
+        return list(self._free)
+
+    def cached_items(self) -> list[tuple[BlockHash, int]]:
+        """Every (hash, block) registration, used and cached."""
+        return list(self._hash_to_block.items())
+
+    # ---------------------------------------------------------------- mutations
+    def take(self, n: int) -> tuple[list[int], list[int]]:
+        """Take `n` blocks from the head of the free queue, each with ref_count 1.
+
+        Returns (blocks, evicted): `evicted` lists, in order, the taken blocks that were cached and
+        have just lost their hash entry (their old contents are dead).
+        """
+        assert n <= len(self._free), f"take({n}) with {len(self._free)} free blocks"
+        blocks, evicted = [], []
+        for _ in range(n):
+            b, _ = self._free.popitem(last=False)
+            if self._hashes[b] is not None:
+                self._num_cached -= 1
+                self.unregister(b)
+                evicted.append(b)
+            self._ref_counts[b] = 1
+            blocks.append(b)
+        return blocks, evicted
+
+    def touch(self, block_ids: Iterable[int]) -> None:
+        """Add a reference to each block (a prefix hit or a fork); cached blocks leave the queue."""
+        for b in block_ids:
+            if self._ref_counts[b] == 0:
+                del self._free[b]
+                self._num_cached -= self._hashes[b] is not None
+            self._ref_counts[b] += 1
+
+    def release(self, block_ids: Sequence[int]) -> list[int]:
+        """Drop one reference from each block, in the order given.
+
+        Blocks that reach ref_count 0 join the free queue: cached ones at the tail in the given
+        order (so the first given is evicted first), empty ones at the head in the given order.
+        Returns the released blocks that stayed cached.
+        """
+        kept, emptied = [], []
+        for b in block_ids:
+            assert self._ref_counts[b] > 0, f"block {b} released more often than it was taken"
+            self._ref_counts[b] -= 1
+            if self._ref_counts[b] > 0:
+                continue
+            if self._hashes[b] is not None and not self.cache_freed_blocks:
+                self.unregister(b)
+            if self._hashes[b] is None:
+                emptied.append(b)
+            else:
+                self._free[b] = None
+                self._num_cached += 1
+                kept.append(b)
+        for b in reversed(emptied):
+            self._free[b] = None
+            self._free.move_to_end(b, last=False)
+        return kept
+
+    def register(self, block_id: int, block_hash: BlockHash) -> bool:
+        """Index a full, computed block under its content hash. Returns whether it was indexed.
+
+        A block already holding this hash (a prefix hit, a forked block) is left alone. If another
+        block already holds the same content (two identical prompts computed independently), the
+        first registration wins and this block stays unhashed; it is freed as empty later.
+        """
+        current = self._hashes[block_id]
+        if current is not None:
+            assert current == block_hash, f"block {block_id} re-registered under a different hash"
+            return False
+        if block_hash in self._hash_to_block:
+            return False
+        self._hashes[block_id] = block_hash
+        self._hash_to_block[block_hash] = block_id
+        return True
+
+    def unregister(self, block_id: int) -> None:
+        """Drop the hash entry of a block that is in use or was just taken (its contents change)."""
+        block_hash = self._hashes[block_id]
+        assert block_hash is not None, f"block {block_id} is not registered"
+        assert block_id not in self._free, f"block {block_id} is cached; take it instead of unregistering"
+        del self._hash_to_block[block_hash]
+        self._hashes[block_id] = None

@@ -1,0 +1,418 @@
+"""The paged-KV manager: per-sequence block tables over a shared `BlockPool`, with prefix caching,
+copy-on-write and atomic "no room" answers. It decides; a storage (`storage.KVStorage`) follows.
+
+The manager never touches tensors. The scheduler drives it, one call per event of a sequence:
+
+    plan = manager.allocate(seq, prompt)      # SlotPlan, or NoRoom -> preempt someone and retry
+    plan.apply_to(storage)                    # prefix sharing, copy-on-write copies
+    ... forward writes the new tokens' KV at plan.slot_mapping ...
+    manager.mark_computed(seq)                # now its full blocks may serve other sequences
+    plan = manager.append(seq, [token])       # decode (or [token, *draft] when speculating)
+    manager.truncate(seq, n).apply_to(storage)        # drop rejected draft tokens
+    manager.fork(seq, child).apply_to(storage)        # parallel sampling
+    manager.free(seq).apply_to(storage)
+
+Token regions of one sequence (block_size 4, one cached block, one new block):
+
+    | cached (prefix hit) | computed  | planned, not yet computed |
+    | t0 t1 t2 t3         | t4 t5     | t6 t7 | t8                |
+    |      block 7        |        block 2    |  block 5          |
+
+Rules, each with its reason:
+- Prefix hits are whole blocks found by chained content hash, and at most `len(prompt) - 1` tokens
+  come from the cache (vLLM's rule): the last prompt token is always computed, because its forward
+  yields the logits of the first generated token. A prompt of exactly k full blocks reuses at most
+  k - 1 blocks.
+- A block enters the prefix cache only in `mark_computed`, once its KV is really in storage. (vLLM
+  caches at scheduling time and relies on one forward writing before it reads; a llama.cpp storage
+  copies cells that must already exist.) Forgetting `mark_computed` only costs hits, never
+  correctness.
+- A block is written in place only if this sequence is its sole holder and it has no hash. Otherwise
+  the manager takes a new block and returns a `CopyOp` (copy-on-write): shared blocks and cached
+  content never change under their other readers.
+- Every call that needs blocks checks first and returns `NoRoom` with the state untouched; nothing
+  here raises for lack of memory.
+- Freed blocks are released tail first, so the end of a sequence is evicted before its prefix
+  (prefixes are what other prompts share).
+
+Calling a method with an unknown or duplicate sequence id, or out-of-range lengths, is a bug in the
+caller and raises ValueError.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from edgefinfer.errors import UserError
+from edgefinfer.runtime.kv.block_pool import BlockHash, BlockHashFn, BlockPool, sha256_block_hash
+
+if TYPE_CHECKING:
+    from edgefinfer.runtime.kv.storage import KVStorage
+
+SeqId = Hashable
+
+
+# ------------------------------------------------------------------------------------------ results
+@dataclass(frozen=True, slots=True)
+class CopyOp:
+    """Copy the first `num_tokens` slots of block `src` into block `dst` before anything writes `dst`."""
+
+    src: int
+    dst: int
+    num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class SlotPlan:
+    """Where the new tokens of one sequence go, and what the storage must do before writing them.
+
+    block_ids:       the sequence's whole block table after this call
+    start_pos:       position of the first new token (the tokens before it are in storage or planned)
+    slot_mapping:    [num_new_tokens] flat slot of each new token: block_id * block_size + offset
+    num_cached_tokens / cached_block_ids: the prefix reused from the cache (allocate only)
+    prefix_source:   with `per_sequence_storage`, a live sequence whose storage holds that prefix
+    new_block_ids:   blocks taken from the pool by this call (copy-on-write targets included)
+    evicted_block_ids: those of the new blocks whose cached contents were evicted to make room
+    copy_ops:        copy-on-write copies to run before the forward that writes slot_mapping
+    """
+
+    seq_id: SeqId
+    block_ids: tuple[int, ...]
+    start_pos: int
+    slot_mapping: tuple[int, ...]
+    num_cached_tokens: int = 0
+    cached_block_ids: tuple[int, ...] = ()
+    prefix_source: SeqId | None = None
+    new_block_ids: tuple[int, ...] = ()
+    evicted_block_ids: tuple[int, ...] = ()
+    copy_ops: tuple[CopyOp, ...] = ()
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.slot_mapping)
+
+    def apply_to(self, storage: KVStorage) -> None:
+        """Make the storage ready for the forward that writes `slot_mapping`."""
+        if self.cached_block_ids:
+            storage.share_prefix(self.seq_id, self.prefix_source, self.cached_block_ids, self.num_cached_tokens)
+        if self.copy_ops:
+            storage.copy_blocks(self.copy_ops)
+
+
+@dataclass(frozen=True, slots=True)
+class NoRoom:
+    """Not enough free blocks; nothing changed. Preempt (free) a sequence and retry.
+
+    Falsy, so `if not plan:` reads as "no room". If `num_blocks_needed` exceeds the pool's
+    `num_blocks`, the request can never fit.
+    """
+
+    num_blocks_needed: int
+    num_blocks_free: int
+
+    def __bool__(self) -> bool:
+        return False
+
+
+@dataclass(frozen=True, slots=True)
+class ForkEvent:
+    """`child_id` now shares every block of `parent_id`, the partial last block included."""
+
+    parent_id: SeqId
+    child_id: SeqId
+    block_ids: tuple[int, ...]
+    num_tokens: int
+
+    def apply_to(self, storage: KVStorage) -> None:
+        storage.fork(self.parent_id, self.child_id, self.num_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class TruncateEvent:
+    """`seq_id` keeps its first `num_tokens` tokens; `dropped_block_ids` left its table (tail
+    first), and of those `cached_block_ids` stayed in the prefix cache."""
+
+    seq_id: SeqId
+    num_tokens: int
+    dropped_block_ids: tuple[int, ...]
+    cached_block_ids: tuple[int, ...]
+
+    def apply_to(self, storage: KVStorage) -> None:
+        storage.truncate(self.seq_id, self.num_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class FreeEvent:
+    """`seq_id` is gone; `block_ids` was its table, `cached_block_ids` stayed in the prefix cache."""
+
+    seq_id: SeqId
+    block_ids: tuple[int, ...]
+    cached_block_ids: tuple[int, ...]
+
+    def apply_to(self, storage: KVStorage) -> None:
+        storage.release(self.seq_id)
+
+
+@dataclass(frozen=True, slots=True)
+class KVStats:
+    """Block counts (num_free includes num_cached: taking a cached block evicts it, so
+    num_free + num_used == num_blocks) and token-level prefix-cache counters over `allocate`."""
+
+    num_blocks: int
+    num_used: int
+    num_free: int
+    num_cached: int
+    prefix_queries: int  # prompt tokens looked up
+    prefix_hits: int  # of those, tokens served from the cache
+
+    @property
+    def hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+
+# ------------------------------------------------------------------------------------------ manager
+@dataclass(slots=True)
+class _Seq:
+    token_ids: list[int]
+    block_ids: list[int]  # block i holds positions [i * block_size, (i + 1) * block_size)
+    num_computed: int
+    # Chained hashes of the leading full, computed blocks already offered to the prefix cache.
+    block_hashes: list[BlockHash] = field(default_factory=list)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class PagedKVManager:
+    """Block tables for many sequences over one pool of `num_blocks` blocks of `block_size` tokens.
+
+    enable_prefix_caching: reuse full blocks across sequences by content hash.
+    per_sequence_storage:  the storage holds KV per sequence (llama.cpp), not per block (a tensor
+                           pool). A block's data then dies with its last holder, so freed blocks are
+                           not kept in the cache, and a prefix hit must be copied from a live
+                           sequence that has computed it all (`SlotPlan.prefix_source`); see storage.py.
+    hash_fn:               the chained block hash; `sha256_block_hash` or `builtin_block_hash`.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
+                 per_sequence_storage: bool = False, hash_fn: BlockHashFn = sha256_block_hash):
+        if block_size < 1:
+            raise UserError(f"block_size must be at least 1 token, got {block_size}; 16 is a common choice")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.per_sequence_storage = per_sequence_storage
+        self.pool = BlockPool(num_blocks, cache_freed_blocks=not per_sequence_storage)
+        self._hash_fn = hash_fn
+        self._seqs: dict[SeqId, _Seq] = {}
+        self._prefix_queries = 0
+        self._prefix_hits = 0
+
+    # ---------------------------------------------------------------- queries
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def seq_ids(self) -> Iterator[SeqId]:
+        return iter(self._seqs)
+
+    def __contains__(self, seq_id: SeqId) -> bool:
+        return seq_id in self._seqs
+
+    def block_table(self, seq_id: SeqId) -> tuple[int, ...]:
+        return tuple(self._get(seq_id).block_ids)
+
+    def token_ids(self, seq_id: SeqId) -> tuple[int, ...]:
+        return tuple(self._get(seq_id).token_ids)
+
+    def num_tokens(self, seq_id: SeqId) -> int:
+        return len(self._get(seq_id).token_ids)
+
+    def num_computed_tokens(self, seq_id: SeqId) -> int:
+        return self._get(seq_id).num_computed
+
+    def stats(self) -> KVStats:
+        p = self.pool
+        return KVStats(p.num_blocks, p.num_used, p.num_free, p.num_cached, self._prefix_queries, self._prefix_hits)
+
+    def can_allocate(self, num_tokens: int) -> bool:
+        """Whether a new sequence of `num_tokens` tokens fits even with no prefix hit (hits never
+        need more blocks: each hit saves one new block and takes at most one free one)."""
+        return _cdiv(num_tokens, self.block_size) <= self.pool.num_free
+
+    def can_append(self, seq_id: SeqId, num_tokens: int) -> bool:
+        return self._append_cost(self._get(seq_id), num_tokens)[0] <= self.pool.num_free
+
+    # ---------------------------------------------------------------- events
+    def allocate(self, seq_id: SeqId, token_ids: Sequence[int]) -> SlotPlan | NoRoom:
+        """Start a sequence: reuse its longest cached prefix, plan slots for the rest."""
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id!r} already exists; free it before allocating it again")
+        if len(token_ids) == 0:
+            raise ValueError(f"sequence {seq_id!r}: allocate needs at least one token")
+        tokens = list(token_ids)
+        hashes, hits = self._longest_cached_prefix(tokens) if self.enable_prefix_caching else ([], [])
+        source = None
+        if hits and self.per_sequence_storage:
+            source, n = self._prefix_source(hits)
+            del hashes[n:], hits[n:]
+        num_new = _cdiv(len(tokens), self.block_size) - len(hits)
+        # A hit on a cached (unreferenced) block takes it out of the free queue too.
+        needed = num_new + sum(self.pool.ref_count(b) == 0 for b in hits)
+        if needed > self.pool.num_free:
+            return NoRoom(needed, self.pool.num_free)
+
+        self.pool.touch(hits)  # before take(): a hit block must not be evicted for this very sequence
+        new, evicted = self.pool.take(num_new)
+        num_cached = len(hits) * self.block_size
+        seq = _Seq(tokens, hits + new, num_computed=num_cached, block_hashes=hashes)
+        self._seqs[seq_id] = seq
+        if self.enable_prefix_caching:
+            self._prefix_queries += len(tokens)
+            self._prefix_hits += num_cached
+        return SlotPlan(seq_id, tuple(seq.block_ids), num_cached, self._slots(seq, num_cached, len(tokens)),
+                        num_cached, tuple(hits), source, tuple(new), tuple(evicted))
+
+    def append(self, seq_id: SeqId, token_ids: Sequence[int]) -> SlotPlan | NoRoom:
+        """Plan slots for tokens that extend a sequence (a decode token, or it and draft tokens)."""
+        seq = self._get(seq_id)
+        cost, cow = self._append_cost(seq, len(token_ids))
+        if cost > self.pool.num_free:
+            return NoRoom(cost, self.pool.num_free)
+
+        start = len(seq.token_ids)
+        new, evicted = self.pool.take(cost)
+        copy_ops: tuple[CopyOp, ...] = ()
+        if cow:
+            src, dst = seq.block_ids[-1], new[0]
+            copy_ops = (CopyOp(src, dst, start % self.block_size),)
+            seq.block_ids[-1] = dst
+            self.pool.release([src])  # after take(), so src cannot come back as a new block
+            seq.block_ids.extend(new[1:])
+        else:
+            seq.block_ids.extend(new)
+        seq.token_ids.extend(token_ids)
+        return SlotPlan(seq_id, tuple(seq.block_ids), start, self._slots(seq, start, len(seq.token_ids)),
+                        new_block_ids=tuple(new), evicted_block_ids=tuple(evicted), copy_ops=copy_ops)
+
+    def mark_computed(self, seq_id: SeqId, num_tokens: int | None = None) -> int:
+        """Record that storage now holds the KV of the first `num_tokens` tokens (default: all) and
+        register the full blocks among them in the prefix cache. Returns how many got registered."""
+        seq = self._get(seq_id)
+        n = len(seq.token_ids) if num_tokens is None else num_tokens
+        if not seq.num_computed <= n <= len(seq.token_ids):
+            raise ValueError(f"sequence {seq_id!r}: mark_computed({n}) outside "
+                             f"[{seq.num_computed}, {len(seq.token_ids)}] (computed so far, planned)")
+        seq.num_computed = n
+        if not self.enable_prefix_caching:
+            return 0
+        registered = 0
+        bs = self.block_size
+        for i in range(len(seq.block_hashes), n // bs):
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            h = self._hash_fn(parent, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
+            registered += self.pool.register(seq.block_ids[i], h)
+            seq.block_hashes.append(h)
+        return registered
+
+    def fork(self, parent_id: SeqId, child_id: SeqId) -> ForkEvent:
+        """Share every block of the parent with a new child (parallel sampling); never needs room.
+        Whichever of the two first appends into the shared partial block gets a copy-on-write.
+
+        The parent's tokens must all be computed: a per-sequence storage copies only what exists.
+        """
+        parent = self._get(parent_id)
+        if child_id in self._seqs:
+            raise ValueError(f"sequence {child_id!r} already exists; fork into a new id")
+        if parent.num_computed < len(parent.token_ids):
+            raise ValueError(f"sequence {parent_id!r}: fork after its {len(parent.token_ids)} tokens are "
+                             f"computed (mark_computed), not at {parent.num_computed}")
+        self.pool.touch(parent.block_ids)
+        self._seqs[child_id] = _Seq(list(parent.token_ids), list(parent.block_ids), parent.num_computed,
+                                    list(parent.block_hashes))
+        return ForkEvent(parent_id, child_id, tuple(parent.block_ids), len(parent.token_ids))
+
+    def truncate(self, seq_id: SeqId, num_tokens: int) -> TruncateEvent:
+        """Keep the first `num_tokens` tokens (drop rejected draft tokens), like
+        `llama_memory_seq_rm(seq, num_tokens, -1)`. Blocks past the end are released tail first.
+
+        If the last kept block becomes partial, its tail will be overwritten: when this sequence is
+        its only holder it leaves the prefix cache now; when it is shared it keeps its hash (others
+        still read it whole) and the next append copies it first.
+        """
+        seq = self._get(seq_id)
+        if not 0 <= num_tokens <= len(seq.token_ids):
+            raise ValueError(f"sequence {seq_id!r}: truncate({num_tokens}) outside [0, {len(seq.token_ids)}]")
+        bs = self.block_size
+        keep = _cdiv(num_tokens, bs)
+        dropped = seq.block_ids[keep:]
+        del seq.block_ids[keep:], seq.token_ids[num_tokens:], seq.block_hashes[num_tokens // bs:]
+        seq.num_computed = min(seq.num_computed, num_tokens)
+        cached = self.pool.release(dropped[::-1])
+        if num_tokens % bs:
+            last = seq.block_ids[-1]
+            if self.pool.block_hash(last) is not None and self.pool.ref_count(last) == 1:
+                self.pool.unregister(last)
+        return TruncateEvent(seq_id, num_tokens, tuple(dropped[::-1]), tuple(cached))
+
+    def free(self, seq_id: SeqId) -> FreeEvent:
+        """Drop a finished or preempted sequence; its blocks are released tail first."""
+        seq = self._get(seq_id)
+        del self._seqs[seq_id]
+        cached = self.pool.release(seq.block_ids[::-1])
+        return FreeEvent(seq_id, tuple(seq.block_ids), tuple(cached))
+
+    # ---------------------------------------------------------------- internals
+    def _get(self, seq_id: SeqId) -> _Seq:
+        try:
+            return self._seqs[seq_id]
+        except KeyError:
+            raise ValueError(f"unknown sequence {seq_id!r}; allocate it first") from None
+
+    def _longest_cached_prefix(self, tokens: list[int]) -> tuple[list[BlockHash], list[int]]:
+        """Hashes and blocks of the longest run of cached full blocks, capped at len(tokens) - 1
+        tokens so that the last token is always computed (it yields the next token's logits)."""
+        bs = self.block_size
+        hashes: list[BlockHash] = []
+        blocks: list[int] = []
+        parent = None
+        for i in range((len(tokens) - 1) // bs):
+            h = self._hash_fn(parent, tuple(tokens[i * bs:(i + 1) * bs]))
+            b = self.pool.lookup(h)
+            if b is None:
+                break
+            hashes.append(h)
+            blocks.append(b)
+            parent = h
+        return hashes, blocks
+
+    def _prefix_source(self, hits: list[int]) -> tuple[SeqId | None, int]:
+        """The live sequence that holds, computed and whole, the longest run of `hits`, and that
+        run's length in blocks. A sequence truncated into a shared block holds it only in part, so
+        holding the block id is not enough."""
+        best, best_n = None, 0
+        for sid, s in self._seqs.items():
+            limit = min(len(hits), s.num_computed // self.block_size)
+            n = 0
+            while n < limit and s.block_ids[n] == hits[n]:
+                n += 1
+            if n > best_n:
+                best, best_n = sid, n
+                if n == len(hits):
+                    break
+        return best, best_n
+
+    def _append_cost(self, seq: _Seq, num_new: int) -> tuple[int, bool]:
+        """(blocks to take, whether the first of them is a copy-on-write of the partial last block)."""
+        start = len(seq.token_ids)
+        last = seq.block_ids[-1] if seq.block_ids else None
+        cow = (num_new > 0 and start % self.block_size != 0 and
+               (self.pool.ref_count(last) > 1 or self.pool.block_hash(last) is not None))
+        grow = _cdiv(start + num_new, self.block_size) - len(seq.block_ids)
+        return grow + cow, cow
+
+    def _slots(self, seq: _Seq, start: int, stop: int) -> tuple[int, ...]:
+        bs, table = self.block_size, seq.block_ids
+        return tuple(table[p // bs] * bs + p % bs for p in range(start, stop))

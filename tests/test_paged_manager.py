@@ -1,0 +1,401 @@
+"""The paged-KV manager: block ids, ref counts, prefix hits, copy-on-write, eviction order, atomic
+"no room", truncation, and a randomized run checked against fake storages after every operation.
+
+Tiny pools (block_size 4, about ten blocks) so that every block id and eviction can be asserted.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from edgefinfer.errors import UserError
+from edgefinfer.runtime.kv.block_pool import builtin_block_hash, sha256_block_hash
+from edgefinfer.runtime.kv.paged_manager import CopyOp, NoRoom, PagedKVManager, SlotPlan
+from edgefinfer.runtime.kv.storage import KVStorage
+
+BS = 4
+P = list(range(8))  # a two-block prompt prefix
+
+
+class RecordingHash:
+    """Wraps a hash function and remembers what each hash covers (to check cached contents)."""
+
+    def __init__(self, fn):
+        self.fn, self.seen = fn, {}
+
+    def __call__(self, parent, token_ids):
+        h = self.fn(parent, token_ids)
+        assert self.seen.setdefault(h, (parent, token_ids)) == (parent, token_ids), "hash collision"
+        return h
+
+
+class BlockStorage:
+    """A tensor pool with one token id per slot instead of keys/values."""
+
+    def __init__(self, num_blocks: int):
+        self.data = [[None] * BS for _ in range(num_blocks)]
+        self.copies: list[CopyOp] = []
+
+    def copy_blocks(self, ops):
+        for op in ops:
+            self.data[op.dst][:op.num_tokens] = self.data[op.src][:op.num_tokens]
+        self.copies.extend(ops)
+
+    def share_prefix(self, seq_id, source_id, block_ids, num_tokens): pass
+    def fork(self, parent_id, child_id, num_tokens): pass
+    def truncate(self, seq_id, num_tokens): pass
+    def release(self, seq_id): pass
+
+    def forward(self, plan: SlotPlan, new_tokens):
+        for slot, tok in zip(plan.slot_mapping, new_tokens, strict=True):
+            self.data[slot // BS][slot % BS] = tok
+
+    def tokens_of(self, m: PagedKVManager, seq) -> list:
+        table = m.block_table(seq)
+        return [self.data[table[p // BS]][p % BS] for p in range(m.num_tokens(seq))]
+
+
+class LlamaStorage:
+    """llama.cpp's per-sequence cells, following the mapping documented in storage.py."""
+
+    def __init__(self, num_blocks: int):
+        self.cells: dict = {}  # seq -> {pos: token}
+
+    def copy_blocks(self, ops): pass  # cells are shared by tag; new tokens get new cells
+
+    def share_prefix(self, seq_id, source_id, block_ids, num_tokens):  # seq_cp(src, dst, 0, n)
+        src = self.cells[source_id]
+        assert all(p in src for p in range(num_tokens)), "the source does not hold the prefix"
+        self.cells[seq_id] = {p: src[p] for p in range(num_tokens)}
+
+    def fork(self, parent_id, child_id, num_tokens):  # seq_cp(parent, child, -1, -1)
+        self.cells[child_id] = dict(self.cells[parent_id])
+
+    def truncate(self, seq_id, num_tokens):  # seq_rm(seq, n, -1)
+        self.cells[seq_id] = {p: t for p, t in self.cells[seq_id].items() if p < num_tokens}
+
+    def release(self, seq_id):  # seq_rm(seq, -1, -1)
+        del self.cells[seq_id]
+
+    def forward(self, plan: SlotPlan, new_tokens):
+        cells = self.cells.setdefault(plan.seq_id, {})
+        for pos, tok in enumerate(new_tokens, plan.start_pos):
+            assert pos not in cells, f"llama_decode would duplicate position {pos}"
+            cells[pos] = tok
+
+    def tokens_of(self, m: PagedKVManager, seq) -> list:
+        cells = self.cells.get(seq, {})
+        return [cells.get(p) for p in range(max(cells, default=-1) + 1)]
+
+
+class Driver:
+    """Runs manager calls and makes the storage follow them, as a scheduler would."""
+
+    def __init__(self, num_blocks, hash_fn, per_sequence_storage=False, **kw):
+        self.hash = RecordingHash(hash_fn)
+        self.m = PagedKVManager(num_blocks, BS, hash_fn=self.hash, per_sequence_storage=per_sequence_storage, **kw)
+        self.storage = (LlamaStorage if per_sequence_storage else BlockStorage)(num_blocks)
+        assert isinstance(self.storage, KVStorage)
+
+    def _run(self, plan, new_tokens):
+        if plan:
+            plan.apply_to(self.storage)
+            self.storage.forward(plan, new_tokens[len(new_tokens) - plan.num_new_tokens:])
+        return plan
+
+    def allocate(self, seq, tokens):
+        return self._run(self.m.allocate(seq, tokens), tokens)
+
+    def append(self, seq, tokens):
+        return self._run(self.m.append(seq, tokens), tokens)
+
+    def fork(self, parent, child):
+        return self.m.fork(parent, child).apply_to(self.storage)
+
+    def truncate(self, seq, n):
+        event = self.m.truncate(seq, n)
+        event.apply_to(self.storage)
+        return event
+
+    def free(self, seq):
+        event = self.m.free(seq)
+        event.apply_to(self.storage)
+        return event
+
+
+def refs(m: PagedKVManager) -> list[int]:
+    return [m.pool.ref_count(b) for b in range(m.num_blocks)]
+
+
+def snapshot(m: PagedKVManager):
+    seqs = {s: (m.block_table(s), m.token_ids(s), m.num_computed_tokens(s)) for s in m.seq_ids()}
+    return (seqs, refs(m), m.pool.free_block_ids(), sorted(m.pool.cached_items(), key=lambda x: x[1]), m.stats())
+
+
+hash_fns = pytest.mark.parametrize("hash_fn", [sha256_block_hash, builtin_block_hash], ids=["sha256", "builtin"])
+
+
+@hash_fns
+def test_scenario_share_fork_evict_no_room(hash_fn):
+    d = Driver(10, hash_fn)
+    m, st = d.m, d.storage
+
+    # Two sequences with a shared two-block prefix.
+    a = d.allocate("A", P + [100, 101])
+    assert (a.block_ids, a.slot_mapping, a.num_cached_tokens) == ((0, 1, 2), tuple(range(10)), 0)
+    assert m.mark_computed("A") == 2  # blocks 0 and 1 are full; block 2 is not
+    b = d.allocate("B", P + [200])
+    assert (b.block_ids, b.cached_block_ids, b.num_cached_tokens, b.slot_mapping) == ((0, 1, 3), (0, 1), 8, (12,))
+    assert refs(m)[:4] == [2, 2, 1, 1]
+
+    # A prompt of exactly two full blocks reuses only one: its last token must be computed.
+    c = d.allocate("C", P)
+    assert (c.block_ids, c.num_cached_tokens, c.slot_mapping) == ((0, 4), 4, (16, 17, 18, 19))
+    assert m.mark_computed("C") == 0  # block 4 repeats block 1's content: the first registration wins
+    assert d.free("C").cached_block_ids == ()
+    assert m.pool.free_block_ids() == [4, 5, 6, 7, 8, 9]  # the empty block goes first
+
+    # Decode fills A's block 2; computing it registers its chained hash.
+    assert d.append("A", [102]).slot_mapping == (10,)
+    assert d.append("A", [103]).slot_mapping == (11,)
+    assert m.pool.block_hash(2) is None
+    assert m.mark_computed("A") == 1
+    h0 = hash_fn(None, tuple(P[:4]))
+    h2 = hash_fn(hash_fn(h0, tuple(P[4:])), (100, 101, 102, 103))
+    assert m.pool.lookup(h2) == 2 and m.pool.block_hash(2) == h2
+    plan = d.append("A", [104])
+    assert (plan.block_ids, plan.new_block_ids, plan.slot_mapping) == ((0, 1, 2, 4), (4,), (16,))
+    m.mark_computed("A")
+
+    # Fork shares everything, the partial block 4 too; the first writer into it copies.
+    d.fork("A", "A2")
+    assert refs(m)[:6] == [3, 3, 2, 1, 2, 0]
+    cow = d.append("A2", [300])
+    assert cow.copy_ops == (CopyOp(src=4, dst=5, num_tokens=1),)
+    assert (cow.block_ids, cow.slot_mapping) == ((0, 1, 2, 5), (21,))
+    in_place = d.append("A", [105])  # A is block 4's only holder now
+    assert (in_place.copy_ops, in_place.slot_mapping) == ((), (17,))
+    assert st.data[4][:2] == [104, 105] and st.data[5][:2] == [104, 300]
+
+    # Freeing releases tail first: cached blocks join the LRU tail as 2, 1, 0; empty ones go first.
+    d.free("B")
+    assert m.pool.free_block_ids() == [3, 6, 7, 8, 9]
+    d.free("A")
+    assert m.pool.free_block_ids() == [4, 3, 6, 7, 8, 9]
+    assert d.free("A2").cached_block_ids == (2, 1, 0)
+    assert m.pool.free_block_ids() == [5, 4, 3, 6, 7, 8, 9, 2, 1, 0]
+    assert refs(m) == [0] * 10
+    s = m.stats()
+    assert (s.num_used, s.num_free, s.num_cached) == (0, 10, 3)
+
+    # A prompt whose three full blocks are cached hits all of them.
+    dd = d.allocate("D", P + [100, 101, 102, 103, 7])
+    assert (dd.block_ids, dd.num_cached_tokens, dd.new_block_ids) == ((0, 1, 2, 5), 12, (5,))
+    s = m.stats()
+    assert (s.prefix_queries, s.prefix_hits) == (10 + 9 + 8 + 13, 0 + 8 + 4 + 12)
+    assert s.hit_rate == pytest.approx(24 / 40)
+
+    # Under pressure, cached blocks are evicted least recently freed first: the end of D's prefix first.
+    d.free("D")
+    e = d.allocate("E", list(range(1000, 1028)))  # seven blocks: all the empty ones
+    assert (e.block_ids, e.evicted_block_ids) == ((5, 4, 3, 6, 7, 8, 9), ())
+    f = d.allocate("F", list(range(2000, 2008)))
+    assert (f.block_ids, f.evicted_block_ids) == ((2, 1), (2, 1))
+    assert m.pool.lookup(h2) is None and m.pool.lookup(h0) == 0 and m.stats().num_cached == 1
+
+    # Out of blocks: NoRoom, and nothing changed (one free block left, cached block 0).
+    before = snapshot(m)
+    assert m.allocate("G", list(range(3000, 3009))) == NoRoom(num_blocks_needed=3, num_blocks_free=1)
+    assert m.append("E", [1, 2, 3, 4, 5]) == NoRoom(2, 1)
+    # A hit on the cached block 0 takes it off the free queue as well: 1 new + 1 hit > 1 free.
+    assert m.allocate("G", P[:4] + [9]) == NoRoom(2, 1)
+    assert not m.allocate("G", P[:4] + [9])
+    assert (m.can_allocate(4), m.can_allocate(5), m.can_append("E", 4), m.can_append("E", 5)) == (
+        True, False, True, False)
+    assert snapshot(m) == before and "G" not in m
+
+    # Free everything: the pool is whole again and no reference is left.
+    d.free("E"), d.free("F")
+    s = m.stats()
+    assert (s.num_used, s.num_free, s.num_cached, s.num_blocks) == (0, 10, 1, 10)
+    assert refs(m) == [0] * 10 and sorted(m.pool.free_block_ids()) == list(range(10))
+    assert list(m.seq_ids()) == []
+
+
+@hash_fns
+def test_truncate_rejected_draft_tokens(hash_fn):
+    d = Driver(8, hash_fn)
+    m, st = d.m, d.storage
+    d.allocate("S", [1, 2, 3, 4, 5, 6])
+    m.mark_computed("S")
+    spec = d.append("S", [7, 70, 71, 72, 73])  # the sampled token and four draft tokens
+    assert (spec.block_ids, spec.slot_mapping) == ((0, 1, 2), (6, 7, 8, 9, 10))
+    assert m.mark_computed("S") == 1  # block 1; block 2 holds three tokens
+    h1 = m.pool.block_hash(1)
+    assert h1 == hash_fn(hash_fn(None, (1, 2, 3, 4)), (5, 6, 7, 70))
+
+    # One draft token rejected at position 7: block 1 is partial again and leaves the cache.
+    ev = d.truncate("S", 7)
+    assert (ev.dropped_block_ids, ev.cached_block_ids) == ((2,), ())
+    assert m.block_table("S") == (0, 1) and m.num_computed_tokens("S") == 7
+    assert m.pool.block_hash(1) is None and m.pool.lookup(h1) is None and m.pool.block_hash(0) is not None
+    assert m.pool.free_block_ids()[0] == 2
+    bonus = d.append("S", [80])
+    assert (bonus.slot_mapping, bonus.copy_ops) == ((7,), ())  # sole holder, unhashed: in place
+    assert m.mark_computed("S") == 1 and m.pool.block_hash(1) == hash_fn(m.pool.block_hash(0), (5, 6, 7, 80))
+    assert st.tokens_of(m, "S") == [1, 2, 3, 4, 5, 6, 7, 80]
+
+    # Truncating into a block another sequence still reads whole: it keeps its hash, and it stays
+    # immutable even once this sequence is its last holder, so the next append copies it.
+    d.fork("S", "T")
+    d.append("S", [90, 91])
+    d.truncate("S", 6)
+    assert m.pool.block_hash(1) is not None and refs(m)[:3] == [2, 2, 0]
+    d.free("T")
+    cow = d.append("S", [92])
+    assert cow.copy_ops == (CopyOp(src=1, dst=cow.block_ids[1], num_tokens=2),)
+    assert st.tokens_of(m, "S") == [1, 2, 3, 4, 5, 6, 92]
+    assert st.data[1] == [5, 6, 7, 80] and m.stats().num_cached == 1  # block 1 still serves its hash
+
+    # Truncating to a block boundary or to nothing.
+    assert d.truncate("S", 4).dropped_block_ids == (cow.block_ids[1],)
+    assert m.block_table("S") == (0,) and m.pool.block_hash(0) is not None
+    assert d.truncate("S", 0).dropped_block_ids == (0,) and m.block_table("S") == ()
+    assert d.append("S", [5]).block_ids != ()
+    d.free("S")
+    assert refs(m) == [0] * 8
+
+
+@hash_fns
+def test_per_sequence_storage_hits_only_live_computed_holders(hash_fn):
+    d = Driver(10, hash_fn, per_sequence_storage=True)
+    m, st = d.m, d.storage
+    d.allocate("A", P + [1])
+    assert d.allocate("X", P + [2]).num_cached_tokens == 0  # A is not computed yet
+    m.mark_computed("A")
+    b = d.allocate("B", P + [3])
+    assert (b.num_cached_tokens, b.prefix_source) == (8, "A")
+    assert st.tokens_of(m, "B") == P + [3]
+
+    # A sequence truncated into block 1 holds it only in part; it can serve block 0 only.
+    m.mark_computed("B")
+    d.fork("B", "T")
+    d.truncate("T", 6)
+    d.free("A"), d.free("B"), d.free("X")
+    c = d.allocate("C", P + [4])
+    assert (c.num_cached_tokens, c.prefix_source) == (4, "T")
+    assert st.tokens_of(m, "C") == P + [4]
+    d.free("C"), d.free("T")
+    s = m.stats()
+    assert (s.num_used, s.num_cached) == (0, 0) and m.pool.cached_items() == []  # data died with its holders
+
+
+def test_prefix_caching_disabled_and_errors():
+    m = PagedKVManager(8, BS, enable_prefix_caching=False)
+    m.allocate("a", P + [1])
+    assert m.mark_computed("a") == 0
+    assert m.allocate("b", P + [1]).num_cached_tokens == 0
+    assert (m.stats().prefix_queries, m.stats().hit_rate) == (0, 0.0)
+
+    with pytest.raises(ValueError, match="already exists"):
+        m.allocate("a", [1])
+    with pytest.raises(ValueError, match="unknown sequence 'z'"):
+        m.append("z", [1])
+    with pytest.raises(ValueError, match="at least one token"):
+        PagedKVManager(4, BS).allocate("a", [])
+    with pytest.raises(ValueError, match=r"truncate\(10\) outside \[0, 9\]"):
+        m.truncate("a", 10)
+    m.append("a", [5])
+    with pytest.raises(ValueError, match="fork after its 10 tokens are computed"):
+        m.fork("a", "c")
+    with pytest.raises(ValueError, match=r"mark_computed\(11\) outside \[9, 10\]"):
+        m.mark_computed("a", 11)
+    with pytest.raises(UserError, match="num_blocks must be at least 1, got 0"):
+        PagedKVManager(0, BS)
+    with pytest.raises(UserError, match="block_size must be at least 1 token, got 0"):
+        PagedKVManager(4, 0)
+
+
+def test_hash_functions_chain_and_differ():
+    for fn in (sha256_block_hash, builtin_block_hash):
+        h = fn(None, (1, 2))
+        assert h == fn(None, (1, 2)) and h != fn(None, (2, 1)) and fn(h, (3,)) != fn(None, (3,))
+    assert sha256_block_hash(None, (1,)).hex()[:16] == "51b09ceccfbec445"  # stable across processes
+
+
+# ------------------------------------------------------------------------------------------ stress
+def check_invariants(d: Driver):
+    m, pool = d.m, d.m.pool
+    holders = [0] * m.num_blocks
+    for s in m.seq_ids():
+        table, tokens = m.block_table(s), m.token_ids(s)
+        assert len(table) == -(-len(tokens) // BS) and len(set(table)) == len(table)
+        for b in table:
+            holders[b] += 1
+        assert d.storage.tokens_of(m, s) == list(tokens), f"sequence {s} reads wrong KV"
+    assert refs(m) == holders
+    free = pool.free_block_ids()
+    assert len(set(free)) == len(free) and set(free) == {b for b in range(m.num_blocks) if holders[b] == 0}
+    s = m.stats()
+    assert s.num_free + s.num_used == s.num_blocks and s.num_free == len(free)
+    assert s.num_cached == sum(pool.block_hash(b) is not None for b in free)
+    for h, b in pool.cached_items():
+        assert pool.block_hash(b) == h
+        if m.per_sequence_storage:
+            assert holders[b] > 0
+        else:
+            assert d.storage.data[b] == list(d.hash.seen[h][1]), f"block {b} does not hold what its hash says"
+
+
+@hash_fns
+@pytest.mark.parametrize("per_sequence_storage", [False, True], ids=["tensor_pool", "llama_seqs"])
+def test_random_ops_keep_invariants(hash_fn, per_sequence_storage):
+    rng = random.Random(1234)
+    d = Driver(16, hash_fn, per_sequence_storage=per_sequence_storage)
+    m = d.m
+    prefixes = [[rng.randrange(4) for _ in range(12)] for _ in range(3)]
+    next_id, counts = 0, dict.fromkeys(["hit", "noroom", "cow", "evict"], 0)
+    for _ in range(2500):
+        seqs = list(m.seq_ids())
+        op = rng.choices(["alloc", "append", "compute", "fork", "truncate", "free"], [3, 5, 4, 1, 2, 2])[0]
+        before = snapshot(m)
+        if op == "alloc" or not seqs:
+            prompt = rng.choice(prefixes)[:rng.randrange(1, 13)] + [rng.randrange(4) for _ in range(rng.randrange(4))]
+            plan = d.allocate(next_id, prompt)
+            next_id += 1
+            counts["hit"] += bool(plan and plan.num_cached_tokens)
+        elif op == "append":
+            plan = d.append(s := rng.choice(seqs), [rng.randrange(4) for _ in range(rng.randrange(1, 6))])
+            counts["cow"] += bool(plan and plan.copy_ops)
+        elif op == "compute":
+            s = rng.choice(seqs)
+            m.mark_computed(s, rng.randint(m.num_computed_tokens(s), m.num_tokens(s)))
+            plan = None
+        elif op == "fork":
+            parent = rng.choice(seqs)
+            m.mark_computed(parent)
+            d.fork(parent, next_id)
+            next_id, plan = next_id + 1, None
+        elif op == "truncate":
+            s = rng.choice(seqs)
+            d.truncate(s, rng.randint(0, m.num_tokens(s)))
+            plan = None
+        else:
+            d.free(rng.choice(seqs))
+            plan = None
+        if isinstance(plan, NoRoom):
+            counts["noroom"] += 1
+            assert snapshot(m) == before
+            d.free(rng.choice(seqs))  # preempt, as a scheduler would
+        elif plan is not None:
+            counts["evict"] += len(plan.evicted_block_ids)
+        check_invariants(d)
+    for s in list(m.seq_ids()):
+        d.free(s)
+    check_invariants(d)
+    assert m.stats().num_used == 0 and refs(m) == [0] * m.num_blocks
+    # The run exercised every path it is meant to check.
+    assert all(counts[k] > 20 for k in ("hit", "noroom", "cow")), counts
+    assert (counts["evict"] > 20) != per_sequence_storage, counts
