@@ -39,6 +39,7 @@ class GenerationStats:
     generated_tokens: int = 0
     prefill_s: float = 0.0  # time to first token
     decode_s: float = 0.0
+    peak_rss_mb: float = 0.0  # resident-memory high-water mark of the process, when measured
 
     @property
     def decode_tok_s(self) -> float:
@@ -138,30 +139,55 @@ def stream_text(model: Transformer, tokenizer: Tokenizer, prompt: str, max_new_t
 
     `result`, when given, is filled with the full text, ids, finish reason and statistics.
     """
-    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
-    ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
-    stop_ids = tuple(model.config.eos_token_ids) + tuple(i for i in [tokenizer.eos_id] if i is not None)
+    ids = encode_prompt(tokenizer, prompt, chat, add_special_tokens)
+    stop_ids = stop_token_ids(model.config, tokenizer)
     result = result if result is not None else Generation("", [], "length")
+    tokens = generate_ids(model, ids, max_new_tokens, params, stop_ids, stats=result.stats)
+    yield from detokenize(tokenizer, tokens, stop_ids, stop, result, on_token)
+
+
+def encode_prompt(tokenizer: Tokenizer, prompt: str, chat: bool, add_special_tokens: bool = False) -> list[int]:
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def stop_token_ids(config, tokenizer: Tokenizer) -> tuple[int, ...]:
+    """End-of-sequence ids: the model config's and the tokenizer's."""
+    ids = list(config.eos_token_ids) + [i for i in [tokenizer.eos_id] if i is not None]
+    return tuple(dict.fromkeys(ids))
+
+
+def detokenize(tokenizer: Tokenizer, tokens: Iterator[int], stop_ids: tuple[int, ...], stop: list[str] | None,
+               result: Generation, on_token: Callable[[int], None] | None = None) -> Iterator[str]:
+    """Turn a stream of token ids into text deltas, ending at a stop id or a stop string.
+
+    Closing the returned generator closes `tokens` too, so an abandoned stream stops decoding.
+    """
     decoder, matcher = IncrementalDecoder(tokenizer), StopStringMatcher(stop or [])
-    for tok in generate_ids(model, ids, max_new_tokens, params, stop_ids, stats=result.stats):
-        if on_token is not None:
-            on_token(tok)
-        if tok in stop_ids:
-            result.finish_reason = "stop"
-            break
-        result.token_ids.append(tok)
-        out, stopped = matcher.push(decoder.push(tok))
+    try:
+        for tok in tokens:
+            if on_token is not None:
+                on_token(tok)
+            if tok in stop_ids:
+                result.finish_reason = "stop"
+                break
+            result.token_ids.append(tok)
+            out, stopped = matcher.push(decoder.push(tok))
+            result.text += out
+            if out:
+                yield out
+            if stopped:
+                result.finish_reason = "stop"
+                return
+        out, _ = matcher.push(decoder.flush())
+        out += matcher.flush()
         result.text += out
         if out:
             yield out
-        if stopped:
-            result.finish_reason = "stop"
-            return
-    out, _ = matcher.push(decoder.flush())
-    out += matcher.flush()
-    result.text += out
-    if out:
-        yield out
+    finally:
+        close = getattr(tokens, "close", None)
+        if close is not None:
+            close()
 
 
 def generate_text(model: Transformer, tokenizer: Tokenizer, prompt: str, **kw) -> Generation:

@@ -1,0 +1,118 @@
+"""The token loop over any backend: prefill, plain decoding, and speculative decoding.
+
+Cache convention (shared with the speculative proposers): after every step the backend holds every
+committed token except the last one. A plain step feeds `[context[-1]]` at position
+`len(context) - 1`; a speculative round feeds `[context[-1]] + drafts` at the same position and
+gets k+1 rows of logits in one target call, which the verifier turns into the accepted drafts plus
+one token of the target's own. The backend is then rolled back to `len(context) + accepted`, the
+positions it holds that are still right.
+
+Greedy speculative decoding returns exactly the tokens of plain greedy decoding; with temperature
+> 0, rejection sampling keeps the target's distribution (see `edgefinfer.runtime.speculative.verify`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from edgefinfer.errors import UserError
+from edgefinfer.generate import GenerationStats
+from edgefinfer.runtime.backends.base import Backend
+from edgefinfer.runtime.speculative.adaptive import AdaptiveK
+from edgefinfer.runtime.speculative.proposers import Proposer
+from edgefinfer.runtime.speculative.verify import SpecStats, verify
+from edgefinfer.sampling import SamplingParams, next_token
+
+
+@dataclass
+class Speculation:
+    """How to speculate: a proposer, the number of draft tokens, and optionally adaptive k."""
+
+    proposer: Proposer
+    k: int = 4
+    adaptive: AdaptiveK | None = None
+    stats: SpecStats = field(default_factory=SpecStats)
+
+
+def sample_row(logits: np.ndarray, params: SamplingParams, context: Sequence[int],
+               generator: torch.Generator | None) -> int:
+    """One token from one row of logits [V] (repetition penalty against `context`)."""
+    history = torch.tensor([list(context)]) if params.repetition_penalty != 1.0 else None
+    return int(next_token(torch.from_numpy(np.asarray(logits))[None], params, history, generator)[0])
+
+
+def generate_tokens(backend: Backend, prompt_ids: Sequence[int], max_new_tokens: int,
+                    params: SamplingParams = SamplingParams(), stop_ids: Sequence[int] = (),
+                    speculation: Speculation | None = None, stats: GenerationStats | None = None,
+                    cancel: threading.Event | None = None) -> Iterator[int]:
+    """Yield generated token ids (a stop id is yielded, then the loop ends)."""
+    if not prompt_ids:
+        raise UserError("the prompt is empty: give at least one token")
+    if backend.window is None and len(prompt_ids) + max_new_tokens > backend.max_seq_len:
+        raise UserError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_new_tokens}) exceeds the "
+                        f"context of {backend.max_seq_len} tokens; shorten the prompt, lower max_tokens, "
+                        f"or use a sliding-window cache")
+    if speculation is not None and params.repetition_penalty != 1.0:
+        raise UserError("speculative decoding does not support repetition_penalty != 1 yet; drop one of them")
+    stats = stats if stats is not None else GenerationStats()
+    stats.prompt_tokens = len(prompt_ids)
+    generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+    stop = set(stop_ids)
+    backend.reset()
+
+    t0 = time.perf_counter()
+    context = list(prompt_ids)
+    tok = sample_row(backend.forward(context, 0)[-1], params, context, generator)
+    stats.prefill_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    produced = 0
+    k_state = speculation.adaptive.initial() if speculation and speculation.adaptive else None
+    while True:
+        context.append(tok)
+        produced += 1
+        stats.generated_tokens = produced
+        yield tok
+        if tok in stop or produced >= max_new_tokens or (cancel is not None and cancel.is_set()):
+            return
+        k = _draft_len(speculation, k_state, max_new_tokens - produced)
+        draft = speculation.proposer.propose(context, k) if k > 0 else None
+        if draft is None or not draft.tokens:
+            logits = backend.forward([context[-1]], len(context) - 1)[-1]
+            tok = sample_row(logits, params, context, generator)
+        else:
+            pending = _verify_round(backend, context, draft, params, generator, speculation)
+            if k_state is not None:
+                k_state = speculation.adaptive.update(k_state, len(draft.tokens), len(pending) - 1)
+            for tok in pending[:-1]:
+                context.append(tok)
+                produced += 1
+                stats.generated_tokens = produced
+                yield tok
+                if tok in stop or produced >= max_new_tokens:
+                    return
+            tok = pending[-1]
+        stats.decode_s = time.perf_counter() - t0
+
+
+def _draft_len(speculation: Speculation | None, k_state, remaining: int) -> int:
+    if speculation is None or remaining <= 1:
+        return 0
+    k = k_state.k if k_state is not None else speculation.k
+    return min(k, remaining - 1)
+
+
+def _verify_round(backend: Backend, context: list[int], draft, params: SamplingParams,
+                  generator: torch.Generator | None, speculation: Speculation) -> list[int]:
+    """One target call over `[last] + drafts`; returns the accepted drafts plus the target's token."""
+    start = len(context) - 1
+    logits = torch.from_numpy(np.ascontiguousarray(backend.forward([context[-1], *draft.tokens], start)))
+    result = verify(draft.tokens, draft.probs, logits, params, generator)  # [k+1, V] rows
+    speculation.stats.record(result)
+    backend.rollback(len(context) + result.num_accepted_draft)
+    return list(result.tokens)

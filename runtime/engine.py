@@ -1,0 +1,256 @@
+"""The on-device engine: load a bundle (or a single artefact), generate and stream text.
+
+    engine = Engine.load("dist/android")                 # picks the backend from manifest.json
+    for delta in engine.stream("Hello", max_tokens=64):   # or engine.generate(...)
+        print(delta, end="")
+
+`Engine.load` accepts a bundle folder, a `.pte`, an ONNX folder or `.onnx`, a `.gguf`, or a Hugging
+Face folder (eager torch, the reference path). Bundles are verified against their manifest's hashes
+before anything is loaded. The runtime never imports the exporters (`edgefinfer.compile`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import psutil
+
+from edgefinfer.errors import UserError
+from edgefinfer.generate import Generation, detokenize, encode_prompt
+from edgefinfer.runtime.backends.base import Backend
+from edgefinfer.runtime.decode import Speculation, generate_tokens
+from edgefinfer.sampling import SamplingParams
+from edgefinfer.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """`--kv` option: static (default) | window:N[,sinks:S] | paged:BLOCK (paged: see the server)."""
+
+    kind: str = "static"
+    window: int | None = None
+    sinks: int = 0
+    block_size: int | None = None
+
+    @classmethod
+    def parse(cls, text: str | None) -> "KVSpec":
+        if not text or text == "static":
+            return cls()
+        head, _, rest = text.partition(":")
+        try:
+            if head == "window":
+                parts = rest.split(",")
+                window = int(parts[0])
+                sinks = 0
+                for extra in parts[1:]:
+                    key, _, value = extra.partition(":")
+                    if key != "sinks":
+                        raise ValueError(extra)
+                    sinks = int(value)
+                if window < 1 or sinks < 0:
+                    raise ValueError(text)
+                return cls("window", window=window, sinks=sinks)
+            if head == "paged":
+                block = int(rest or 16)
+                if block < 1:
+                    raise ValueError(text)
+                return cls("paged", block_size=block)
+        except ValueError:
+            pass
+        raise UserError(f"bad --kv {text!r}: use static, window:N[,sinks:S] or paged:BLOCK_SIZE")
+
+
+@dataclass(frozen=True)
+class SpecSpec:
+    """`--speculative` option: draft:PATH[,K] | lookup[:N][,K]."""
+
+    kind: str
+    path: str | None = None
+    ngram: int = 3
+    k: int = 4
+
+    @classmethod
+    def parse(cls, text: str | None) -> "SpecSpec | None":
+        if not text:
+            return None
+        head, _, rest = text.partition(":")
+        try:
+            if head == "draft" and rest:
+                path, _, k = rest.partition(",")
+                return cls("draft", path=path, k=int(k or 4))
+            if head == "lookup":
+                ngram, _, k = rest.partition(",")
+                return cls("lookup", ngram=int(ngram or 3), k=int(k or 4))
+        except ValueError:
+            pass
+        raise UserError(f"bad --speculative {text!r}: use draft:PATH[,K] or lookup[:NGRAM][,K]")
+
+
+def open_backend(path: str | Path, kind: str | None = None, kv: KVSpec = KVSpec(), threads: int | None = None,
+                 max_seq_len: int | None = None) -> tuple[Backend, Tokenizer, dict]:
+    """The backend and tokenizer for an artefact path; `kind` forces a backend."""
+    from edgefinfer.bundle import load_manifest
+
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"{path} does not exist (give a bundle folder, .pte, .onnx, .gguf or HF folder)")
+    if kv.kind == "paged":
+        raise UserError("--kv paged is for several concurrent sequences: use `edgefinfer serve`; "
+                        "a single stream uses static or window:N")
+    window = kv.window if kv.kind == "window" else None
+    if path.is_dir() and (path / "manifest.json").is_file():
+        manifest = load_manifest(path)
+        art = manifest.artefact("model", kind) if kind else manifest.artefact("model")
+        if art is None:
+            raise UserError(f"bundle {path} has no model artefact" + (f" for backend {kind!r}" if kind else ""))
+        kv_meta = art.meta.get("kv", {})
+        if kv_meta.get("kind") == "window":
+            window = kv_meta.get("window")
+        backend = _open(path / art.path, art.backend, window, kv.sinks, threads, max_seq_len)
+        eos = _eos_ids(manifest.model.get("config", {}))
+        return backend, Tokenizer.from_dir(path), {"bundle": manifest.target, "artefact": art.path, "eos_ids": eos}
+    backend_kind = kind or _guess_backend(path)
+    backend = _open(path, backend_kind, window, kv.sinks, threads, max_seq_len)
+    folder = path if path.is_dir() else path.parent
+    cfg = json.loads((folder / "config.json").read_text()) if (folder / "config.json").is_file() else {}
+    return backend, _tokenizer_for(path, backend_kind), {"artefact": str(path), "eos_ids": _eos_ids(cfg)}
+
+
+def _guess_backend(path: Path) -> str:
+    if path.suffix == ".pte":
+        return "executorch"
+    if path.suffix == ".gguf":
+        return "llamacpp"
+    if path.suffix == ".onnx" or (path.is_dir() and (path / "model.onnx").is_file()):
+        return "onnxruntime"
+    if path.is_dir() and (path / "config.json").is_file():
+        return "torch"
+    raise UserError(f"cannot tell what {path} is: expected a bundle, .pte, .onnx, .gguf or HF folder")
+
+
+def _open(path: Path, kind: str | None, window: int | None, sinks: int, threads: int | None,
+          max_seq_len: int | None) -> Backend:
+    if kind == "torch":
+        from edgefinfer.checkpoint import load_model
+        from edgefinfer.runtime.backends.torch_eager import TorchBackend
+
+        if threads:
+            import torch
+
+            torch.set_num_threads(threads)
+        return TorchBackend(load_model(path), max_seq_len=max_seq_len, window=window, num_sinks=sinks)
+    if kind == "llamacpp":
+        from edgefinfer.runtime.backends.llamacpp import LlamaCppBackend
+
+        return LlamaCppBackend(path, n_ctx=max_seq_len or 2048, threads=threads, window=window)
+    if kind == "executorch":
+        from edgefinfer.runtime.backends.executorch import ExecuTorchBackend
+
+        return ExecuTorchBackend(path, threads=threads)
+    if kind == "onnxruntime":
+        from edgefinfer.runtime.backends.ort import OrtBackend
+
+        return OrtBackend(path, threads=threads)
+    raise UserError(f"unknown backend {kind!r}: use torch, executorch, onnxruntime or llamacpp")
+
+
+def _tokenizer_for(path: Path, kind: str) -> Tokenizer:
+    folder = path if path.is_dir() else path.parent
+    if (folder / "tokenizer.json").is_file():
+        return Tokenizer.from_dir(folder)
+    if kind == "llamacpp":
+        from edgefinfer.gguf_import import open_gguf, tokenizer_from_gguf
+
+        return tokenizer_from_gguf(open_gguf(path))
+    raise UserError(f"no tokenizer.json next to {path}; put the model's tokenizer.json beside it")
+
+
+class Engine:
+    def __init__(self, backend: Backend, tokenizer: Tokenizer, eos_ids: tuple[int, ...] = (),
+                 speculation: Speculation | None = None, info: dict | None = None):
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.eos_ids = tuple(dict.fromkeys([*eos_ids, *([tokenizer.eos_id] if tokenizer.eos_id is not None else [])]))
+        self.speculation = speculation
+        self.info = info or {}
+        self._lock = threading.Lock()  # one stream at a time owns the backend's cache
+
+    @classmethod
+    def load(cls, path: str | Path, backend: str | None = None, kv: str | KVSpec | None = None,
+             speculative: str | SpecSpec | None = None, threads: int | None = None,
+             max_seq_len: int | None = None) -> "Engine":
+        kv = kv if isinstance(kv, KVSpec) else KVSpec.parse(kv)
+        spec = speculative if isinstance(speculative, SpecSpec) or speculative is None else SpecSpec.parse(speculative)
+        be, tok, info = open_backend(path, backend, kv, threads, max_seq_len)
+        speculation = _speculation(spec, be, kv, threads) if spec is not None else None
+        return cls(be, tok, info["eos_ids"], speculation, info)
+
+    def stream(self, prompt: str, max_tokens: int = 128, params: SamplingParams = SamplingParams(),
+               stop: list[str] | None = None, chat: bool = False, on_token: Callable[[int], None] | None = None,
+               cancel: threading.Event | None = None, result: Generation | None = None) -> Iterator[str]:
+        """Yield text deltas; closing the iterator (or setting `cancel`) stops decoding at once."""
+        ids = encode_prompt(self.tokenizer, prompt, chat)
+        result = result if result is not None else Generation("", [], "length")
+        if not self._lock.acquire(blocking=False):
+            raise UserError("this engine is already generating; use one Engine per concurrent stream "
+                            "or `edgefinfer serve` for many")
+        try:
+            tokens = generate_tokens(self.backend, ids, max_tokens, params, self.eos_ids, self.speculation,
+                                     result.stats, cancel)
+            yield from detokenize(self.tokenizer, tokens, self.eos_ids, stop, result, on_token)
+        finally:
+            self._lock.release()
+            result.stats.peak_rss_mb = peak_rss_mb()
+
+    def generate(self, prompt: str, **kw) -> Generation:
+        result = Generation("", [], "length")
+        for _ in self.stream(prompt, result=result, **kw):
+            pass
+        return result
+
+
+def _speculation(spec: SpecSpec, target: Backend, kv: KVSpec, threads: int | None) -> Speculation:
+    import torch
+
+    from edgefinfer.runtime.speculative.proposers import DraftModelProposer, PromptLookupProposer
+
+    if spec.kind == "lookup":
+        return Speculation(PromptLookupProposer(max_ngram=spec.ngram), k=spec.k)
+    draft, _, _ = open_backend(spec.path, None, kv, threads, target.max_seq_len)
+    if draft.vocab_size != target.vocab_size:
+        raise UserError(f"the draft model's vocabulary ({draft.vocab_size}) differs from the target's "
+                        f"({target.vocab_size}); a draft must share the target's tokenizer")
+    def step(tokens: list[int], start: int) -> torch.Tensor:
+        return torch.from_numpy(draft.forward(tokens, start))
+
+    # The draft is greedy: a deterministic proposal keeps verification lossless for any temperature.
+    proposer = DraftModelProposer(step, rollback=draft.rollback, max_len=target.max_seq_len)
+    return Speculation(proposer, k=spec.k)
+
+
+def _eos_ids(hf_config: dict) -> tuple[int, ...]:
+    eos = hf_config.get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (eos,)
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process (MiB), from the kernel's high-water mark."""
+    try:
+        with open(f"/proc/{os.getpid()}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return psutil.Process().memory_info().rss / 2**20
+
+
+def rss_mb() -> float:
+    return psutil.Process().memory_info().rss / 2**20
