@@ -94,40 +94,84 @@ def eval_(model: str, split: str, window: int, stride: int, max_tokens: int, thr
                    f"(window {window}, stride {stride}, {result.seconds:.1f}s)")
 
 
-@cli.command()
-@click.argument("model", default=DEFAULT_MODEL)
-@click.option("-p", "--prompt", required=True, help="Prompt text.")
-@click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
-@click.option("-n", "--max-tokens", default=128, show_default=True, type=click.IntRange(1))
-@click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy.")
-@click.option("--top-k", type=int, default=None)
-@click.option("--top-p", type=float, default=None)
-@click.option("--repetition-penalty", default=1.0, show_default=True, type=float)
-@click.option("--seed", type=int, default=None)
-@click.option("--stop", multiple=True, help="Stop string (repeatable).")
-@click.option("--stream/--no-stream", default=True, show_default=True)
-@click.option("--threads", type=int, default=None, help="torch intra-op threads.")
-def generate(model: str, prompt: str, chat: bool, max_tokens: int, temperature: float, top_k: int | None,
-             top_p: float | None, repetition_penalty: float, seed: int | None, stop: tuple[str, ...],
-             stream: bool, threads: int | None) -> None:
-    """Generate text from MODEL (eager torch, the reference path)."""
-    from edgefinfer.checkpoint import load_model
-    from edgefinfer.generate import Generation, stream_text
-    from edgefinfer.sampling import SamplingParams
-    from edgefinfer.tokenizer import Tokenizer
+def _sampling_options(f):
+    """Options shared by `generate` and `run`."""
+    for opt in reversed([
+        click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template."),
+        click.option("-n", "--max-tokens", default=128, show_default=True, type=click.IntRange(1)),
+        click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy."),
+        click.option("--top-k", type=int, default=None),
+        click.option("--top-p", type=float, default=None),
+        click.option("--repetition-penalty", default=1.0, show_default=True, type=float),
+        click.option("--seed", type=int, default=None),
+        click.option("--stop", multiple=True, help="Stop string (repeatable)."),
+        click.option("--stream/--no-stream", default=True, show_default=True),
+        click.option("--kv", default=None, help="KV cache: static (default) | window:N[,sinks:S]."),
+        click.option("--speculative", default=None, help="draft:PATH[,K] | lookup[:NGRAM][,K]."),
+        click.option("--threads", type=int, default=None, help="Intra-op threads."),
+    ]):
+        f = opt(f)
+    return f
 
-    _set_threads(threads)
+
+def _generate_with_engine(engine, prompt: str, chat: bool, max_tokens: int, temperature: float,
+                          top_k: int | None, top_p: float | None, repetition_penalty: float, seed: int | None,
+                          stop: tuple[str, ...], stream: bool) -> None:
+    from edgefinfer.generate import Generation
+    from edgefinfer.sampling import SamplingParams
+
     params = SamplingParams(temperature, top_k, top_p, repetition_penalty, seed)
-    folder = resolve_model(model)
-    net, tok = load_model(folder), Tokenizer.from_dir(folder)
     result = Generation("", [], "length")
-    for delta in stream_text(net, tok, prompt, max_tokens, params, list(stop), chat, result=result):
+    for delta in engine.stream(prompt, max_tokens, params, list(stop), chat, result=result):
         if stream:
             click.echo(delta, nl=False)
     click.echo("" if stream else result.text)
     s = result.stats
-    click.echo(f"[{s.prompt_tokens} prompt tokens, {s.generated_tokens} generated, finish={result.finish_reason}, "
-               f"ttft {s.prefill_s * 1000:.0f} ms, decode {s.decode_tok_s:.1f} tok/s]", err=True)
+    line = (f"[{s.prompt_tokens} prompt tokens, {s.generated_tokens} generated, finish={result.finish_reason}, "
+            f"ttft {s.prefill_s * 1000:.0f} ms, decode {s.decode_tok_s:.1f} tok/s, peak rss {s.peak_rss_mb:.0f} MiB")
+    if engine.speculation is not None:
+        st = engine.speculation.stats
+        line += f", acceptance {st.acceptance_rate:.2f}, {st.tokens_per_step:.2f} tok/step"
+    click.echo(line + "]", err=True)
+
+
+@cli.command()
+@click.argument("model", default=DEFAULT_MODEL)
+@click.option("-p", "--prompt", required=True, help="Prompt text.")
+@_sampling_options
+def generate(model: str, prompt: str, kv: str | None, speculative: str | None, threads: int | None, **opts) -> None:
+    """Generate text from MODEL (a HF folder or shipped model name) in eager torch, the reference path."""
+    from edgefinfer.runtime.engine import Engine
+
+    engine = Engine.load(resolve_model(model), backend="torch", kv=kv, speculative=speculative, threads=threads)
+    _generate_with_engine(engine, prompt, **opts)
+
+
+@cli.command()
+@click.argument("bundle")
+@click.option("-p", "--prompt", default=None, help="Prompt text; without it, an interactive chat starts.")
+@click.option("--backend", type=click.Choice(["executorch", "onnxruntime", "llamacpp", "torch"]), default=None,
+              help="Force a backend (default: the bundle's).")
+@_sampling_options
+def run(bundle: str, prompt: str | None, backend: str | None, kv: str | None, speculative: str | None,
+        threads: int | None, **opts) -> None:
+    """Run a bundle (or a .pte / .onnx / .gguf / HF folder) with the on-device runtime."""
+    from edgefinfer.runtime.engine import Engine
+
+    engine = Engine.load(bundle, backend=backend, kv=kv, speculative=speculative, threads=threads)
+    if prompt is not None:
+        _generate_with_engine(engine, prompt, **opts)
+        return
+    click.echo(f"edgefinfer chat ({engine.backend.name}); an empty line or Ctrl-D ends", err=True)
+    opts["chat"] = True
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        _generate_with_engine(engine, line, **opts)
 
 
 @cli.command()
@@ -158,7 +202,6 @@ _not_built("distill", 3, "Distill a smaller student from a teacher")
 _not_built("prune", 3, "Prune a model: unstructured, 2:4, heads/channels/layers")
 _not_built("quantize", 4, "Quantize a model: int8, int4 RTN/GPTQ/AWQ, 8da4w, FP8, mixed precision")
 _not_built("build", 5, "Build a deployable bundle for a target (android, ios, qnn, gpu-server, ...)")
-_not_built("run", 6, "Run a bundle with the on-device runtime")
 _not_built("serve", 7, "Serve a model with the OpenAI-compatible server")
 _not_built("bench", 2, "Benchmarks live in bench/ (python bench/core.py); a CLI entry")
 
