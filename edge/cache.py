@@ -44,8 +44,12 @@ class StaticCache(nn.Module):
     """
 
     def __init__(self, config: ModelConfig, batch_size: int, max_seq_len: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None, trim: bool = True):
         super().__init__()
+        # trim: return only the slots up to the furthest position written so far, so eager decoding
+        # costs O(length) rather than O(max_seq_len). It reads a position back to Python, which
+        # torch.export cannot trace: exporters pass trim=False and attend over all slots.
+        self.trim = trim
         shape = (config.num_hidden_layers, batch_size, config.num_key_value_heads, max_seq_len, config.dim_per_head)
         self.max_seq_len = max_seq_len
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
@@ -57,6 +61,9 @@ class StaticCache(nn.Module):
         idx = input_pos[:, None, :, None].expand(B, H, S, D)  # [B, Hkv, S, D]
         k_all = self.k[layer, :B].scatter_(2, idx, k.to(self.k.dtype))
         v_all = self.v[layer, :B].scatter_(2, idx, v.to(self.v.dtype))
+        if self.trim:
+            T = int(input_pos.max()) + 1
+            return k_all[:, :, :T], v_all[:, :, :T], self.slot_pos[:T].expand(B, -1)
         return k_all, v_all, self.slot_pos.expand(B, -1)
 
     def reset(self) -> None:

@@ -97,10 +97,15 @@ class Attention(nn.Module):
         mask = attention_mask(input_pos, key_pos, window, num_sinks)  # [B, 1, S, T]
 
         # Grouped-query attention: each key/value head serves n_heads / n_kv_heads query heads.
-        n_rep = self.n_heads // self.n_kv_heads
-        k = k.repeat_interleave(n_rep, dim=1)  # [B, H, T, D]
-        v = v.repeat_interleave(n_rep, dim=1)
-        y = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask)  # [B, H, S, D]
+        # Eager uses SDPA's GQA (no copies of K/V); tracing for export gets the plain repeat.
+        if torch.compiler.is_compiling() or torch.jit.is_tracing():
+            n_rep = self.n_heads // self.n_kv_heads
+            k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)  # [B, H, T, D]
+            gqa = False
+        else:
+            gqa = self.n_heads != self.n_kv_heads
+        y = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
+                                           enable_gqa=gqa)  # [B, H, S, D]
         return self.o_proj(y.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim))
 
 
