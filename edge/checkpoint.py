@@ -137,6 +137,10 @@ def atomic_dir(dest: Path) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
     try:
         yield tmp
+        # mkdtemp makes the folder private (0700); a model or bundle folder is meant to be shared.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)
         if dest.exists():
             old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
             os.replace(dest, old)
