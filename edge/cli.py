@@ -191,6 +191,40 @@ def targets(as_json: bool) -> None:
         click.echo(f"{r['target']:<13} {r['format']:<11} {r['backend']:<12} {r['recipe']:<10} {state}")
 
 
+@cli.command()
+@click.option("--target", "-t", required=True, help="Device family (see `edgefinfer targets`).")
+@click.option("--model", "-m", default=None, help="HF folder or shipped model name (default: the reference model).")
+@click.option("--recipe", "-r", default=None, help="Quantization recipe (default: the target's).")
+@click.option("--quality-budget", type=click.FloatRange(min=0), default=None,
+              help="Pick the smallest recipe whose perplexity increase stays within this many percent.")
+@click.option("-o", "--out", default=None, help="Bundle folder (default: dist/TARGET).")
+@click.option("--max-seq-len", default=1024, show_default=True, type=click.IntRange(16),
+              help="Positions the artefact's static KV cache holds.")
+@click.option("--eval-tokens", default=1024, show_default=True, type=click.IntRange(0),
+              help="Test tokens scored for perplexity (0 skips evaluation).")
+@click.option("--soc", default="sm8650", show_default=True, help="Snapdragon SoC for --target qnn.")
+@click.option("--draft", default=None, help="A draft model folder to ship for speculative decoding.")
+@click.option("--threads", type=int, default=None)
+def build(target: str, model: str | None, recipe: str | None, quality_budget: float | None, out: str | None,
+          max_seq_len: int, eval_tokens: int, soc: str, draft: str | None, threads: int | None) -> None:
+    """Build a deployable bundle for a target: quantize, compile, evaluate, package."""
+    get_target_checked(target)  # before importing torch and the exporters: a missing SDK fails at once
+    from edgefinfer.build import BuildOptions
+    from edgefinfer.build import build as run_build
+
+    path = run_build(BuildOptions(target=target, model=model, out=out, recipe=recipe, quality_budget=quality_budget,
+                                  max_seq_len=max_seq_len, eval_tokens=eval_tokens, threads=threads, soc=soc,
+                                  draft=draft))
+    click.echo(str(path))
+
+
+def get_target_checked(name: str) -> None:
+    """Unknown targets and missing SDKs fail before anything heavy is imported."""
+    from edgefinfer.targets import get_target
+
+    get_target(name).check()
+
+
 def _not_built(name: str, issue: int, what: str) -> None:
     @cli.command(name=name, context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
                  help=f"{what} (not built yet).")
@@ -201,7 +235,6 @@ def _not_built(name: str, issue: int, what: str) -> None:
 _not_built("distill", 3, "Distill a smaller student from a teacher")
 _not_built("prune", 3, "Prune a model: unstructured, 2:4, heads/channels/layers")
 _not_built("quantize", 4, "Quantize a model: int8, int4 RTN/GPTQ/AWQ, 8da4w, FP8, mixed precision")
-_not_built("build", 5, "Build a deployable bundle for a target (android, ios, qnn, gpu-server, ...)")
 _not_built("serve", 7, "Serve a model with the OpenAI-compatible server")
 _not_built("bench", 2, "Benchmarks live in bench/ (python bench/core.py); a CLI entry")
 

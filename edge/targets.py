@@ -80,7 +80,7 @@ TARGETS: dict[str, Target] = {t.name: t for t in [
     Target("mediatek", "MediaTek APUs: ExecuTorch .pte delegated to NeuroPilot", "pte", "executorch", "8da4w-g32",
            "neuropilot", (EXECUTORCH, MEDIATEK), runs_here=False),
     Target("gpu-server", "GPU servers: llama.cpp GGUF for edgefinfer serve (CUDA build of llama-cpp-python)",
-           "gguf", "llamacpp", "q8_0", None, (GGUF,)),
+           "gguf", "llamacpp", "int8-g32-emb8", None, (GGUF,)),
 ]}
 
 

@@ -1,0 +1,94 @@
+"""`edgefinfer build`: bundles per target, run by their runtimes; missing SDKs fail fast; an
+interrupted or killed build leaves nothing at the destination and a rerun succeeds."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from edgefinfer.bundle import load_manifest
+from edgefinfer.checkpoint import save_model
+from edgefinfer.errors import UserError
+from edgefinfer.runtime.engine import Engine
+from tests.helpers import tiny_model, tiny_tokenizer
+
+
+def cli(*args, **kw):
+    return subprocess.run([sys.executable, "-m", "edgefinfer.cli", *args], capture_output=True, text=True,
+                          timeout=900, **kw)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("build") / "tiny"
+    tok = tiny_tokenizer(320)
+    save_model(tiny_model(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128,
+                          max_position_embeddings=1024, eos_token_id=None), folder)
+    tok.save(folder)
+    return folder
+
+
+def test_missing_vendor_sdk_fails_in_under_a_second():
+    t0 = time.perf_counter()
+    proc = cli("build", "--target", "mediatek")
+    elapsed = time.perf_counter() - t0
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "mtk_converter" in proc.stderr
+    assert elapsed < 1.0 + 2.0  # the check itself; the slack covers the interpreter's start on a busy box
+
+
+def test_unknown_target(tmp_path):
+    proc = cli("build", "--target", "symbian")
+    assert proc.returncode == 2 and "unknown target 'symbian'" in proc.stderr
+
+
+@pytest.mark.parametrize("target, artefact", [("gpu-server", "model.gguf"), ("linux-x86_64", "model.onnx")])
+def test_bundle_runs_in_its_runtime(tmp_path, tiny_dir, target, artefact):
+    proc = cli("build", "--target", target, "--model", str(tiny_dir), "-o", str(tmp_path / "b"),
+               "--eval-tokens", "256")
+    assert proc.returncode == 0, proc.stderr
+    assert "vs float" in proc.stdout  # the summary table
+    manifest = load_manifest(tmp_path / "b", target=target)
+    art = manifest.artefact("model")
+    assert art.path == artefact and art.size > 0 and len(art.sha256) == 64
+    assert manifest.metrics["ppl"] > 0 and abs(manifest.metrics["ppl_delta_pct"]) < 10
+    assert manifest.tools["torch"] and manifest.recipe["name"]
+    out = Engine.load(tmp_path / "b").generate("It is a truth", max_tokens=12)
+    assert out.stats.generated_tokens == 12
+
+
+def test_ios_builds_a_core_ml_delegated_pte(tmp_path, tiny_dir):
+    from edgefinfer.compile.executorch_export import pte_delegates
+
+    proc = cli("build", "--target", "ios", "--model", str(tiny_dir), "-o", str(tmp_path / "ios"),
+               "--max-seq-len", "64")
+    assert proc.returncode == 0, proc.stderr
+    manifest = load_manifest(tmp_path / "ios", target="ios")
+    info = pte_delegates(tmp_path / "ios" / manifest.artefact("model").path)
+    assert "CoreMLBackend" in json.dumps(info)
+    assert "ppl" not in manifest.metrics  # cannot run on this host: nothing claimed
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
+def test_interrupted_build_leaves_no_bundle_and_rerun_succeeds(tmp_path, smollm2_dir, sig):
+    dest = tmp_path / "dist" / "gpu"
+    args = [sys.executable, "-m", "edgefinfer.cli", "build", "--target", "gpu-server", "--model", str(smollm2_dir),
+            "-o", str(dest), "--eval-tokens", "256"]
+    proc = subprocess.Popen(args, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    for line in proc.stderr:  # wait until the bundle's temporary folder is being filled
+        if line.startswith("[build 4/5]"):
+            break
+    proc.send_signal(sig)
+    proc.communicate(timeout=120)
+    assert proc.returncode == (130 if sig == signal.SIGINT else -9)  # Ctrl-C: "interrupted", exit 130
+    assert not dest.exists()
+    rerun = subprocess.run(args, capture_output=True, text=True, timeout=900)
+    assert rerun.returncode == 0, rerun.stderr
+    assert load_manifest(dest, target="gpu-server").metrics["ppl_delta_pct"] < 2.0
+    assert [p.name for p in dest.parent.iterdir()] == ["gpu"]  # the killed build's temporary folder is gone
