@@ -30,7 +30,7 @@ from edgefinfer.targets import Target, get_target
 
 # Candidate recipes per artefact format, smallest first (for --quality-budget).
 CANDIDATES: dict[str, list[str]] = {
-    "pte": ["8da4w-g32", "8da8w", "fp32"],
+    "pte": ["8da4w-g128-emb4", "8da4w-g32-emb4", "8da8w", "fp32"],
     "onnx": ["int4-g32", "int8", "fp32"],
     "gguf": ["int4-g32-sym-emb8", "int8-g32-emb8", "fp16"],
 }

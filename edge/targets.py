@@ -66,18 +66,18 @@ class Target:
 
 TARGETS: dict[str, Target] = {t.name: t for t in [
     Target("android", "Android phones: ExecuTorch .pte on the CPU via XNNPACK, 8-bit dynamic activations "
-           "with 4-bit groupwise weights", "pte", "executorch", "8da4w-g32", "xnnpack", (EXECUTORCH, TORCHAO)),
+           "with 4-bit groupwise weights", "pte", "executorch", "8da4w-g32-emb4", "xnnpack", (EXECUTORCH, TORCHAO)),
     Target("ios", "iPhones: ExecuTorch .pte delegated to Core ML (ANE/GPU/CPU), fp16", "pte", "executorch", "fp16",
            "coreml", (EXECUTORCH, COREMLTOOLS), runs_here=False),
     Target("coreml", "Macs with Core ML: ExecuTorch .pte delegated to Core ML, fp16", "pte", "executorch", "fp16",
            "coreml", (EXECUTORCH, COREMLTOOLS), runs_here=False),
     Target("linux-arm64", "ARM64 Linux boards (Raspberry Pi, Jetson CPU): ExecuTorch .pte via XNNPACK, 8da4w",
-           "pte", "executorch", "8da4w-g32", "xnnpack", (EXECUTORCH, TORCHAO)),
+           "pte", "executorch", "8da4w-g32-emb4", "xnnpack", (EXECUTORCH, TORCHAO)),
     Target("linux-x86_64", "x86-64 Linux: ONNX Runtime CPU, int4 MatMulNBits", "onnx", "onnxruntime", "int4-g32",
            None, (ONNX, ONNXRUNTIME)),
     Target("qnn", "Qualcomm Snapdragon NPUs (HTP): ONNX Runtime QNN context binary, QDQ A16W8, static shapes",
            "qnn-context", "onnxruntime", "qdq-a16w8", "qnn", (ONNX, ONNXRUNTIME, ORT_QNN), runs_here=True),
-    Target("mediatek", "MediaTek APUs: ExecuTorch .pte delegated to NeuroPilot", "pte", "executorch", "8da4w-g32",
+    Target("mediatek", "MediaTek APUs: ExecuTorch .pte delegated to NeuroPilot", "pte", "executorch", "8da4w-g32-emb4",
            "neuropilot", (EXECUTORCH, MEDIATEK), runs_here=False),
     Target("gpu-server", "GPU servers: llama.cpp GGUF for edgefinfer serve (CUDA build of llama-cpp-python)",
            "gguf", "llamacpp", "int8-g32-emb8", None, (GGUF,)),
