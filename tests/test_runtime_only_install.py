@@ -1,0 +1,64 @@
+"""A phone-side install: a fresh virtualenv with only the `runtime` extra runs a bundle, and the
+runtime never imports an exporter (edgefinfer.compile, onnx, torchao, transformers)."""
+
+import os
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+import pytest
+
+from edgefinfer.build import BuildOptions, build
+from edgefinfer.checkpoint import save_model
+from tests.helpers import tiny_model, tiny_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+CHECK = """
+import sys
+from edgefinfer.runtime.engine import Engine
+out = Engine.load(sys.argv[1]).generate("It is a truth", max_tokens=8)
+banned = [m for m in sys.modules if m.split(".")[0] in ("onnx", "torchao", "transformers", "onnxscript")
+          or m.startswith("edgefinfer.compile")]
+assert not banned, banned
+print("tokens", out.token_ids)
+"""
+
+
+@pytest.fixture(scope="module")
+def onnx_bundle(tmp_path_factory):
+    root = tmp_path_factory.mktemp("rt")
+    tok = tiny_tokenizer(320)
+    tok.eos_token = None
+    save_model(tiny_model(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128,
+                          max_position_embeddings=256, eos_token_id=None), root / "m")
+    tok.save(root / "m")
+    return build(BuildOptions(target="linux-x86_64", model=root / "m", out=root / "bundle", eval_tokens=0,
+                              max_seq_len=128))
+
+
+def test_runtime_never_imports_the_exporters(onnx_bundle):
+    proc = subprocess.run([sys.executable, "-c", CHECK, str(onnx_bundle)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("tokens")
+
+
+@pytest.mark.install
+def test_runtime_extra_alone_runs_a_bundle(onnx_bundle, tmp_path):
+    env_dir = tmp_path / "venv"
+    venv.EnvBuilder(with_pip=True).create(env_dir)
+    py = env_dir / "bin" / "python"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    install = subprocess.run([str(py), "-m", "pip", "install", "-q", f"{ROOT}[runtime]"], capture_output=True,
+                             text=True, timeout=1200, env=env)
+    assert install.returncode == 0, install.stderr[-2000:]
+    listed = subprocess.run([str(py), "-m", "pip", "list"], capture_output=True, text=True, env=env).stdout
+    for absent in ("transformers", "onnxscript", "llama_cpp_python", "fastapi"):
+        assert absent not in listed.replace("-", "_").lower(), absent
+    proc = subprocess.run([str(py), "-c", CHECK, str(onnx_bundle)], capture_output=True, text=True, timeout=300,
+                          env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    cli = subprocess.run([str(env_dir / "bin" / "edgefinfer"), "run", str(onnx_bundle), "-p", "It is", "-n", "4",
+                          "--no-stream"], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert cli.returncode == 0, cli.stderr[-2000:]
