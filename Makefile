@@ -1,5 +1,5 @@
 # Two commands on a fresh machine:
-#   make demo   creates .venv, imports the shipped reference model and runs the main job on it
+#   make demo   creates .venv, builds the shipped reference model for Android, runs the bundle
 #   make test   creates .venv with the test extras and runs the whole test suite
 PYTHON ?= python3
 VENV   := .venv
@@ -18,7 +18,7 @@ $(BIN)/python:
 	$(BIN)/pip install -q --upgrade pip
 
 $(VENV)/.runtime: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e '.[data]'
+	$(BIN)/pip install -q -e '.[data,compile,runtime]'
 	$(BIN)/pip install -q --no-deps $(REFERENCE_PKG)
 	touch $@
 
@@ -31,8 +31,8 @@ venv-runtime: $(VENV)/.runtime
 venv-dev: $(VENV)/.dev
 
 demo: venv-runtime
-	$(BIN)/edgefinfer pull smollm2-135m
-	$(BIN)/edgefinfer generate smollm2-135m --chat --max-tokens 48 -p "What is the capital of France? Answer in one sentence."
+	$(BIN)/edgefinfer build --target android -o dist/android
+	$(BIN)/edgefinfer run dist/android --chat --max-tokens 48 -p "What is the capital of France? Answer in one sentence."
 
 test: venv-dev
 	$(BIN)/python -m pytest -q -ra
