@@ -1,0 +1,149 @@
+"""A static-shape decode graph for NPUs (Qualcomm QNN HTP): batch 1, one token, a W-slot window cache.
+
+NPU compilers want every shape fixed and only standard ONNX ops, so this graph has no contrib ops
+and no dynamic dimension:
+
+    input_ids [1, 1] int32, position_ids [1, 1] int32, attention_bias [1, 1, 1, W] float,
+    past_key_values.{i}.key/value [1, Hkv, W, D]
+        -> logits [1, 1, V], present.{i}.key/value [1, Hkv, 1, D]  (only the new token's entries)
+
+The host owns the cache as a ring: it writes each `present` into slot `pos % W` and passes the
+additive `attention_bias` (0 = visible, -100 = not). The bias is finite on purpose: with
+finfo.min, a QDQ graph spends its whole int8/int16 range on the mask and the scores lose their
+resolution (the probe measured top-1 agreement 0.43 -> 0.75). The new token's own key/value are
+concatenated inside the graph, so a query always sees itself plus the W cached slots.
+
+With one query, grouped-query attention needs no repeat of the keys: the H query heads are
+reshaped to [Hkv, H/Hkv] and each group multiplies its own key/value head. RoPE uses HF's
+half-split rotation as `x * cos + swap_halves(x) * sin_signed`, the sign of rotate_half folded
+into the sin table, and the 1/sqrt(D) score scale is folded into the query projection. Only ops
+whose QDQ form the HTP reproduces are used (see `rms_norm` for one that it does not).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+from torch import nn
+
+from edgefinfer.compile.onnx_export import rope_tables
+from edgefinfer.compile.onnx_graph import GraphBuilder, save_model
+from edgefinfer.compile.quant.modules import QUANT_MODULES
+from edgefinfer.errors import UserError
+from edgefinfer.model import Transformer
+
+GRAPH_KIND = "static-decode"
+MASK_OFF = -100.0  # must equal edgefinfer.runtime.backends.ort.MASK_OFF
+
+
+def _w(module: nn.Module, scale: float = 1.0) -> tuple[np.ndarray, np.ndarray | None]:
+    """W^T [K, N] and bias [N] of a float linear, times `scale`."""
+    w = (module.weight.detach().float() * scale).T.contiguous().numpy()
+    b = None if module.bias is None else (module.bias.detach().float() * scale).numpy()
+    return w, b
+
+
+def export_static_decode(model: Transformer, path, *, cache_slots: int, max_seq_len: int | None = None,
+                         window: int | None = None) -> dict:
+    """Write the static decode graph of a float model to `path` (+ `.data`); returns its metadata.
+
+    cache_slots: W, the key/value slots the host keeps. The query sees itself and the W cached
+        positions, so a model whose `sliding_window` (or `window`) is W + 1 runs exactly.
+    """
+    if any(isinstance(m, QUANT_MODULES) for m in model.modules()):
+        raise UserError("the static (NPU) graph is built from the float model and quantized as a QDQ graph; "
+                        "pass the float checkpoint, not a weight-quantized one")
+    if cache_slots < 1:
+        raise UserError(f"the window cache needs at least 1 slot, got {cache_slots}")
+    cfg = model.config
+    max_seq_len = max_seq_len or cfg.max_position_embeddings
+    window = window if window is not None else (cfg.sliding_window or cache_slots + 1)
+    H, Hkv, D, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.dim_per_head, cfg.hidden_size
+    W = cache_slots
+    b = GraphBuilder()
+    ids = b.input("input_ids", ir.DataType.INT32, [1, 1])
+    pos = b.input("position_ids", ir.DataType.INT32, [1, 1])
+    bias = b.input("attention_bias", ir.DataType.FLOAT, [1, 1, 1, W])
+    past = [(b.input(f"past_key_values.{i}.key", ir.DataType.FLOAT, [1, Hkv, W, D]),
+             b.input(f"past_key_values.{i}.value", ir.DataType.FLOAT, [1, Hkv, W, D]))
+            for i in range(cfg.num_hidden_layers)]
+
+    def linear(x, module, name, scale=1.0):
+        w, bb = _w(module, scale)
+        y = b.op("MatMul", [x, b.const(f"{b.scope}/{name}.weight", w)], f"{name}/MatMul")
+        return y if bb is None else b.op("Add", [y, b.const(f"{b.scope}/{name}.bias", bb)], f"{name}/Add")
+
+    def rms_norm(x, norm, name):
+        # Plain ops: x / sqrt(mean(x^2) + eps) * w. Div, not Reciprocal then Mul: the HTP's 16-bit
+        # Reciprocal was measured 7.0 off on an 8.4 value (QDQ on CPU: 1e-4), which ruins every logit.
+        ms = b.op("ReduceMean", [b.op("Mul", [x, x], f"{name}/Square"), b.scalar_i64(-1)], f"{name}/ReduceMean",
+                  keepdims=1)
+        eps = b.const("rms_eps", np.array(cfg.rms_norm_eps, np.float32))
+        rms = b.op("Sqrt", [b.op("Add", [ms, eps], f"{name}/AddEps")], f"{name}/Sqrt")
+        gamma = b.const(f"{b.scope}/{name}.weight", norm.weight.detach().float().numpy())
+        return b.op("Mul", [b.op("Div", [x, rms], f"{name}/Normalize"), gamma], f"{name}/Scale")
+
+    cos, sin = rope_tables(model, max_seq_len)  # [T, D/2]
+    b.scope = "/rope"
+    cos_full = b.const("cos_table", np.concatenate([cos, cos], -1))  # [T, D]
+    sin_signed = b.const("sin_signed_table", np.concatenate([-sin, sin], -1))  # rotate_half's sign folded in
+    cos_p = b.op("Gather", [cos_full, pos], "GatherCos", axis=0)  # [1, 1, D]
+    sin_p = b.op("Gather", [sin_signed, pos], "GatherSin", axis=0)
+    cos_p = b.op("Reshape", [cos_p, b.scalar_i64(1, 1, 1, D)], "ReshapeCos")
+    sin_p = b.op("Reshape", [sin_p, b.scalar_i64(1, 1, 1, D)], "ReshapeSin")
+
+    def rope(x, name):  # x [1, heads, 1, D]
+        lo, hi = b.op("Split", [x, b.scalar_i64(D // 2, D // 2)], f"{name}/Split", num_outputs=2, axis=-1)
+        swapped = b.op("Concat", [hi, lo], f"{name}/Swap", axis=-1)
+        return b.op("Add", [b.op("Mul", [x, cos_p], f"{name}/MulCos"), b.op("Mul", [swapped, sin_p], f"{name}/MulSin")],
+                    f"{name}/Add")
+
+    b.scope = "/model"
+    x = b.op("Gather", [b.const("embed_tokens.weight", model.model.embed_tokens.weight.detach().float().numpy()), ids],
+             "embed_tokens", axis=0)  # [1, 1, d]
+    # The new token always sees itself: append a visible column for it to the host's slot bias.
+    zero_col = b.const("self_bias", np.zeros((1, 1, 1, 1), np.float32))
+    full_bias = b.op("Concat", [bias, zero_col], "attention_bias_self", axis=-1)  # [1, 1, 1, W + 1]
+    presents = []
+    for i, layer in enumerate(model.model.layers):
+        b.scope = f"/model/layers.{i}"
+        attn = layer.self_attn
+        h = rms_norm(x, layer.input_layernorm, "input_layernorm")
+        q = linear(h, attn.q_proj, "q_proj", scale=D ** -0.5)  # the score scale, folded into W_q
+        k = linear(h, attn.k_proj, "k_proj")
+        v = linear(h, attn.v_proj, "v_proj")
+        q = rope(b.op("Transpose", [b.op("Reshape", [q, b.scalar_i64(1, 1, H, D)], "q/Reshape")], "q/Transpose",
+                      perm=[0, 2, 1, 3]), "q_rope")  # [1, H, 1, D]
+        k = rope(b.op("Transpose", [b.op("Reshape", [k, b.scalar_i64(1, 1, Hkv, D)], "k/Reshape")], "k/Transpose",
+                      perm=[0, 2, 1, 3]), "k_rope")  # [1, Hkv, 1, D]
+        v = b.op("Transpose", [b.op("Reshape", [v, b.scalar_i64(1, 1, Hkv, D)], "v/Reshape")], "v/Transpose",
+                 perm=[0, 2, 1, 3])
+        presents.append((k, v))
+        keys = b.op("Concat", [past[i][0], k], "keys", axis=2)  # [1, Hkv, W + 1, D]
+        values = b.op("Concat", [past[i][1], v], "values", axis=2)
+        qg = b.op("Reshape", [q, b.scalar_i64(1, Hkv, H // Hkv, D)], "q/Group")  # [1, Hkv, H/Hkv, D]
+        scores = b.op("MatMul", [qg, b.op("Transpose", [keys], "keys/Transpose", perm=[0, 1, 3, 2])], "scores")
+        probs = b.op("Softmax", [b.op("Add", [scores, full_bias], "scores/Mask")], "Softmax", axis=-1)
+        ctx = b.op("MatMul", [probs, values], "context")  # [1, Hkv, H/Hkv, D]
+        ctx = b.op("Reshape", [ctx, b.scalar_i64(1, 1, H * D)], "context/Reshape")
+        x = b.op("Add", [x, linear(ctx, attn.o_proj, "o_proj")], "attn_residual")
+        h = rms_norm(x, layer.post_attention_layernorm, "post_attention_layernorm")
+        gate = linear(h, layer.mlp.gate_proj, "gate_proj")
+        act = b.op("Mul", [gate, b.op("Sigmoid", [gate], "Sigmoid")], "SiLU")
+        x = b.op("Add", [x, linear(b.op("Mul", [act, linear(h, layer.mlp.up_proj, "up_proj")], "mlp/Mul"),
+                                   layer.mlp.down_proj, "down_proj")], "mlp_residual")
+    b.scope = "/model"
+    h = rms_norm(x, model.model.norm, "norm")
+    b.scope = "/lm_head"
+    logits = linear(h, model.lm_head, "lm_head")
+    b.output(logits, "logits", ir.DataType.FLOAT, [1, 1, cfg.vocab_size])
+    for i, (k, v) in enumerate(presents):
+        b.output(k, f"present.{i}.key", ir.DataType.FLOAT, [1, Hkv, 1, D])
+        b.output(v, f"present.{i}.value", ir.DataType.FLOAT, [1, Hkv, 1, D])
+    metadata = {"edgefinfer.graph": GRAPH_KIND, "edgefinfer.window": str(window), "edgefinfer.cache_slots": str(W),
+                "edgefinfer.max_seq_len": str(max_seq_len), "edgefinfer.vocab_size": str(cfg.vocab_size),
+                "edgefinfer.num_layers": str(cfg.num_hidden_layers)}
+    files = save_model(b.model(metadata), path)
+    return {"files": [f.name for f in files], "cache_slots": W, "window": window, "max_seq_len": max_seq_len,
+            "kv_layout": {"format": "BNSH ring", "shape": [1, Hkv, W, D], "slot": "position % cache_slots"}}
+

@@ -1,0 +1,268 @@
+"""ONNX Runtime backends: the fused GQA decoder (`OrtBackend`) and the static decode graph
+(`OrtStaticBackend`, the Qualcomm QNN / NPU form). Both implement `Backend`.
+
+Nothing here imports the exporter (a phone has none): what a backend needs to know is read from
+the graph's inputs and its `edgefinfer.*` metadata.
+
+OrtBackend keeps each layer's keys and values in one ONNX Runtime tensor of `max_seq_len` slots,
+bound through IO binding as both `past_key_values.i.*` and `present.i.*`; GroupQueryAttention then
+writes the new entries into that same buffer (past/present buffer sharing), so a step copies
+nothing but the token ids in and the logits out. Positions are implicit: the `attention_mask`
+length is start_pos + S and new entries land at slots start_pos.., so a rollback is a no-op: the
+next call simply starts at the shorter length and overwrites the stale slots.
+
+OrtStaticBackend runs a graph whose every shape is fixed (batch 1, one token, a W-slot window
+cache): the host owns the cache as numpy arrays, passes it in, receives the new token's key/value
+and writes them into ring slot `pos % W`, and builds the finite additive mask. Prefill is token by
+token (that is all such a graph can do).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from edgefinfer.errors import UserError
+
+MODEL_FILE = "model.onnx"
+MASK_OFF = -100.0  # the static graph's "may not attend" bias: finite, so int8/int16 QDQ keeps resolution
+
+_ORT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
+              "tensor(int32)": np.int32}
+
+
+def _import_ort():
+    try:
+        import onnxruntime as ort
+    except ImportError as e:  # pragma: no cover - onnxruntime is a declared dependency
+        raise UserError("the ONNX backend needs onnxruntime: pip install onnxruntime") from e
+    return ort
+
+
+def resolve_model_path(path: str | Path, filename: str = MODEL_FILE) -> Path:
+    p = Path(path)
+    if p.is_dir():
+        p = p / filename
+    if not p.is_file():
+        raise UserError(f"no ONNX model at {p}: export one with `edgefinfer build --target linux-x86_64` "
+                        "or pass the folder that holds model.onnx")
+    return p
+
+
+def session_options(threads: int | None):
+    ort = _import_ort()
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads or int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
+    so.inter_op_num_threads = 1
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    return so
+
+
+# ---- Qualcomm QNN (the onnxruntime-qnn plugin EP) ------------------------------------------------------
+
+QNN_PACKAGE, QNN_VERSION, QNN_EP = "onnxruntime-qnn", "2.7.0", "QNNExecutionProvider"
+
+
+def require_qnn():
+    """The `onnxruntime_qnn` module, its EP library registered with onnxruntime (once per process)."""
+    try:
+        import onnxruntime_qnn
+    except ImportError:
+        raise UserError(f"the qnn target needs the {QNN_PACKAGE} package (Qualcomm's ONNX Runtime EP with the QNN "
+                        f"HTP libraries): pip install {QNN_PACKAGE}=={QNN_VERSION}") from None
+    ort = _import_ort()
+    if not any(d.ep_name == QNN_EP for d in ort.get_ep_devices()):
+        ort.register_execution_provider_library(QNN_EP, onnxruntime_qnn.get_library_path())
+    return onnxruntime_qnn
+
+
+def qnn_session_options(htp_arch: int, soc_model: int, context_out: str | Path | None = None):
+    """Session options that put the whole graph on the QNN HTP backend (no CPU fallback); with
+    `context_out`, creating a session compiles the graph into that EPContext model + binary."""
+    ort = _import_ort()
+    require_qnn()
+    devices = [d for d in ort.get_ep_devices() if d.ep_name == QNN_EP]
+    so = ort.SessionOptions()
+    so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+    if context_out is not None:
+        so.add_session_config_entry("ep.context_enable", "1")
+        so.add_session_config_entry("ep.context_file_path", str(context_out))
+        so.add_session_config_entry("ep.context_embed_mode", "0")  # the binary beside the model, not inside
+    # An fp32 graph or a missing htp_arch/soc_model fails inside QNN with QNN_COMMON_ERROR_MEM_ALLOC.
+    so.add_provider_for_devices(devices, {"backend_type": "htp", "htp_arch": str(htp_arch),
+                                          "soc_model": str(soc_model)})
+    return so
+
+
+def qnn_context_session(model_path: str | Path, htp_arch: int, soc_model: int):
+    """A session on a QNN context model (on a PC: the x86 HTP emulator). It must be opened with the
+    provider options it was compiled for: `providers=[...]` fails with "EPContext node not compatible"."""
+    return _import_ort().InferenceSession(str(model_path), qnn_session_options(htp_arch, soc_model))
+
+
+def _genai_decoder(model_path: Path) -> dict[str, Any]:
+    """Sizes from an onnxruntime-genai `genai_config.json` beside the model ({} if there is none)."""
+    file = model_path.parent / "genai_config.json"
+    if not file.is_file():
+        return {}
+    model = json.loads(file.read_text()).get("model", {})
+    return {**model.get("decoder", {}), "context_length": model.get("context_length", 2048)}
+
+
+class OrtBackend:
+    """The exported GQA decoder on ONNX Runtime (CPU by default), one sequence."""
+
+    name = "onnxruntime"
+
+    def __init__(self, onnx_dir_or_path: str | Path, providers: Sequence[Any] | None = None,
+                 threads: int | None = None, session: Any | None = None, max_seq_len: int | None = None):
+        """max_seq_len: KV slots to allocate (default and upper bound: what the model was exported for)."""
+        ort = _import_ort()
+        self.path = resolve_model_path(onnx_dir_or_path)
+        self.session = session or ort.InferenceSession(str(self.path), session_options(threads),
+                                                       providers=list(providers or ["CPUExecutionProvider"]))
+        meta = self.session.get_modelmeta().custom_metadata_map
+        if meta.get("edgefinfer.graph", "gqa") != "gqa":
+            raise UserError(f"{self.path} is a {meta['edgefinfer.graph']!r} graph; run it with OrtStaticBackend")
+        past = [i for i in self.session.get_inputs() if i.name.startswith("past_key_values.")]
+        if not past:
+            raise UserError(f"{self.path} has no past_key_values inputs: it is not a decoder with a KV cache")
+        self.n_layers = len(past) // 2
+        _, n_kv, _, head_dim = past[0].shape
+        self.kv_dtype = _ORT_TYPES[past[0].type]
+        logits = next(o for o in self.session.get_outputs() if o.name == "logits")
+        genai = _genai_decoder(self.path)  # a model-builder folder names its sizes only there
+        self.vocab_size = int(meta.get("edgefinfer.vocab_size") or logits.shape[-1])
+        exported = int(meta.get("edgefinfer.max_seq_len") or genai.get("context_length", 2048))
+        if max_seq_len is not None and not 0 < max_seq_len <= exported:
+            raise UserError(f"max_seq_len={max_seq_len} is outside the model's RoPE table (1..{exported}); "
+                            "re-export with a larger max_seq_len")
+        self.max_seq_len = max_seq_len or exported
+        self.window = int(meta["edgefinfer.window"]) if meta.get("edgefinfer.window") else None
+        n_kv = n_kv if isinstance(n_kv, int) else genai["num_key_value_heads"]
+        head_dim = head_dim if isinstance(head_dim, int) else genai["head_size"]
+
+        # One [1, Hkv, max_seq_len, D] buffer per layer and side, bound as both past and present.
+        shape = (1, int(n_kv), self.max_seq_len, int(head_dim))
+        self._kv = [ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, self.kv_dtype))
+                    for _ in range(2 * self.n_layers)]
+        # Decode-step tensors live in numpy arrays that the bound OrtValues share (no copies per token).
+        self._ones = np.ones((1, self.max_seq_len), np.int64)
+        self._ids = np.zeros((1, 1), np.int64)
+        self._logits = np.zeros((1, 1, self.vocab_size), np.float32)
+        self._ids_value = ort.OrtValue.ortvalue_from_numpy(self._ids)
+        self._logits_value = ort.OrtValue.ortvalue_from_numpy(self._logits)
+        self._decode_bound = False
+        self._binding = self.session.io_binding()
+        # Bound first so that it stays output 0 (re-binding a name keeps its place).
+        self._binding.bind_ortvalue_output("logits", self._logits_value)
+        for i in range(self.n_layers):
+            for j, kv in enumerate(("key", "value")):
+                buf = self._kv[2 * i + j]
+                self._binding.bind_ortvalue_input(f"past_key_values.{i}.{kv}", buf)
+                self._binding.bind_ortvalue_output(f"present.{i}.{kv}", buf)
+
+    def forward(self, tokens: Sequence[int], start_pos: int) -> np.ndarray:
+        n = len(tokens)
+        if n == 0:
+            return np.zeros((0, self.vocab_size), np.float32)
+        if start_pos < 0 or start_pos + n > self.max_seq_len:
+            raise UserError(f"the sequence would reach {start_pos + n} tokens but the ONNX model's KV buffer holds "
+                            f"{self.max_seq_len}; re-export with a larger max_seq_len or use a shorter prompt")
+        b = self._binding
+        decode = n == 1
+        if decode:  # the bound ids/logits tensors share self._ids / self._logits: nothing is allocated
+            self._ids[0, 0] = tokens[0]
+            if not self._decode_bound:
+                b.bind_ortvalue_input("input_ids", self._ids_value)
+                b.bind_ortvalue_output("logits", self._logits_value)
+        else:
+            b.bind_cpu_input("input_ids", np.asarray(tokens, np.int64)[None])
+            b.bind_output("logits")
+        self._decode_bound = decode
+        # The mask is a prefix of a ones row: bind it by pointer rather than copying it.
+        b.bind_input("attention_mask", "cpu", 0, np.int64, [1, start_pos + n], self._ones.ctypes.data)
+        self.session.run_with_iobinding(b)
+        if decode:
+            return self._logits[0].copy()
+        return b.get_outputs()[0].numpy()[0].astype(np.float32, copy=False)
+
+    def rollback(self, length: int) -> None:
+        pass  # positional: the next forward's mask length decides what is visible; stale slots are overwritten
+
+    def reset(self) -> None:
+        pass  # likewise: a sequence restarting at position 0 overwrites from slot 0
+
+
+class OrtStaticBackend:
+    """A fixed-shape decode graph (batch 1, one token, W cache slots), e.g. the QNN context model.
+
+    `session` lets the caller pass a session built with special options (an EP plugin); otherwise a
+    CPU session is created.
+    """
+
+    name = "onnxruntime"
+
+    def __init__(self, onnx_dir_or_path: str | Path, providers: Sequence[Any] | None = None,
+                 threads: int | None = None, session: Any | None = None):
+        ort = _import_ort()
+        self.path = resolve_model_path(onnx_dir_or_path)
+        self.session = session or ort.InferenceSession(str(self.path), session_options(threads),
+                                                       providers=list(providers or ["CPUExecutionProvider"]))
+        inputs = {i.name: i for i in self.session.get_inputs()}
+        past = [n for n in inputs if n.startswith("past_key_values.")]
+        if "attention_bias" not in inputs or not past:
+            raise UserError(f"{self.path} is not a static decode graph (no attention_bias / past_key_values inputs)")
+        self.n_layers = len(past) // 2
+        _, n_kv, slots, head_dim = inputs["past_key_values.0.key"].shape
+        self.slots = int(slots)
+        self.kv_dtype = _ORT_TYPES[inputs["past_key_values.0.key"].type]
+        self.ids_dtype = _ORT_TYPES[inputs["input_ids"].type]
+        self.pos_dtype = _ORT_TYPES[inputs["position_ids"].type]
+        logits = next(o for o in self.session.get_outputs() if o.name == "logits")
+        self.vocab_size = int(logits.shape[-1])
+        meta = self.session.get_modelmeta().custom_metadata_map
+        self.window = int(meta.get("edgefinfer.window") or self.slots)
+        # The cache is a ring, so the stream is unbounded; RoPE tables bound the positions.
+        self.max_seq_len = int(meta.get("edgefinfer.max_seq_len", 1 << 30))
+        self._outputs = [o.name for o in self.session.get_outputs()]
+        self.k = np.zeros((self.n_layers, 1, int(n_kv), self.slots, int(head_dim)), self.kv_dtype)
+        self.v = np.zeros_like(self.k)
+        self.slot_pos = np.full(self.slots, -1, np.int64)  # absolute position held by each slot
+
+    def _step(self, token: int, pos: int) -> np.ndarray:
+        visible = (self.slot_pos >= 0) & (self.slot_pos < pos) & (pos - self.slot_pos < self.window)
+        bias = np.where(visible, 0.0, MASK_OFF).astype(np.float32)[None, None, None]  # [1, 1, 1, W]
+        feed = {"input_ids": np.array([[token]], self.ids_dtype), "position_ids": np.array([[pos]], self.pos_dtype),
+                "attention_bias": bias}
+        for i in range(self.n_layers):
+            feed[f"past_key_values.{i}.key"] = self.k[i]
+            feed[f"past_key_values.{i}.value"] = self.v[i]
+        out = dict(zip(self._outputs, self.session.run(None, feed)))
+        slot = pos % self.slots
+        for i in range(self.n_layers):
+            self.k[i, :, :, slot] = out[f"present.{i}.key"][:, :, 0]
+            self.v[i, :, :, slot] = out[f"present.{i}.value"][:, :, 0]
+        self.slot_pos[slot] = pos
+        return out["logits"].reshape(-1).astype(np.float32)
+
+    def forward(self, tokens: Sequence[int], start_pos: int) -> np.ndarray:
+        if start_pos + len(tokens) > self.max_seq_len:
+            raise UserError(f"position {start_pos + len(tokens)} is beyond the model's RoPE table "
+                            f"({self.max_seq_len} positions); re-export with a larger max_seq_len")
+        self.rollback(start_pos)
+        return np.stack([self._step(t, start_pos + j) for j, t in enumerate(tokens)]) if tokens else \
+            np.zeros((0, self.vocab_size), np.float32)
+
+    def rollback(self, length: int) -> None:
+        """Hide positions >= length. Exact for k rolled-back tokens when slots >= window - 1 + k (the
+        rejected tokens must not have overwritten history still inside the window)."""
+        self.slot_pos[self.slot_pos >= length] = -1
+
+    def reset(self) -> None:
+        self.slot_pos[:] = -1
