@@ -17,11 +17,16 @@ from edgefinfer.errors import UserError
 DEFAULT_MODEL = "smollm2-135m"
 
 
+PIPELINE_ORDER = ("pull", "eval", "generate", "distill", "prune", "quantize", "targets", "build", "run", "serve",
+                  "bench")
+
+
 class _Group(click.Group):
     """Lists commands in pipeline order rather than alphabetically."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
-        return list(self.commands)
+        known = [c for c in PIPELINE_ORDER if c in self.commands]
+        return known + sorted(set(self.commands) - set(known))
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -232,8 +237,16 @@ def _not_built(name: str, issue: int, what: str) -> None:
         raise UserError(f"`edgefinfer {name}` is not built yet (tracked in issue {issue})")
 
 
-_not_built("distill", 3, "Distill a smaller student from a teacher")
-_not_built("prune", 3, "Prune a model: unstructured, 2:4, heads/channels/layers")
+def _add_stage_commands() -> None:
+    """Commands that live with their stage (they import only click at module level)."""
+    from edgefinfer.distill.cli import distill
+    from edgefinfer.prune.cli import prune
+
+    cli.add_command(distill)
+    cli.add_command(prune)
+
+
+_add_stage_commands()
 _not_built("quantize", 4, "Quantize a model: int8, int4 RTN/GPTQ/AWQ, 8da4w, FP8, mixed precision")
 _not_built("serve", 7, "Serve a model with the OpenAI-compatible server")
 _not_built("bench", 2, "Benchmarks live in bench/ (python bench/core.py); a CLI entry")
