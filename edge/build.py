@@ -86,7 +86,8 @@ def build(opts: BuildOptions) -> Path:
     log = StepLog()
     n_steps = 5
     done = log.step(1, n_steps, f"load {folder}")
-    model, tokenizer = load_model(folder), Tokenizer.from_dir(folder)
+    model, prequantized = _load(folder)
+    tokenizer = Tokenizer.from_dir(folder)
     test_ids = _test_tokens(tokenizer, opts.eval_tokens)
     done()
 
@@ -95,12 +96,20 @@ def build(opts: BuildOptions) -> Path:
     done(f": {float_ppl:.3f}" if float_ppl else "")
 
     recipe = opts.recipe or target.recipe
-    if opts.quality_budget is not None:
+    if prequantized is not None:  # `edgefinfer quantize` already chose: export those codes as they are
+        if opts.recipe or opts.quality_budget is not None:
+            raise UserError(f"{folder} is already quantized ({prequantized}); drop --recipe/--quality-budget "
+                            f"or build from the float checkpoint")
+        recipe = prequantized
+        done = log.step(3, n_steps, f"use the checkpoint's quantization ({recipe})")
+        quantized = model
+    elif opts.quality_budget is not None:
         done = log.step(3, n_steps, f"choose the smallest recipe within +{opts.quality_budget}% perplexity")
         recipe = choose_recipe(model, target, float_ppl, test_ids, opts)
     else:
         done = log.step(3, n_steps, f"quantize ({recipe})")
-    quantized = quantize_for(model, target, recipe, tokenizer)
+    if prequantized is None:
+        quantized = quantize_for(model, target, recipe, tokenizer)
     done(f": {recipe}")
 
     model_meta = {"name": folder.name, "config": model.config.to_hf(), "source": str(folder)}
@@ -136,6 +145,18 @@ def build(opts: BuildOptions) -> Path:
 
 
 # ---- steps ----------------------------------------------------------------------------------------------
+
+def _load(folder: Path):
+    """(model, recipe name) for a quantized checkpoint, (model, None) for a float one."""
+    from edgefinfer.checkpoint import load_config, load_model
+
+    if "quantization_config" not in load_config(folder).extra:
+        return load_model(folder), None
+    from edgefinfer.compile.quant.checkpoint import load_quantized
+
+    model, recipe = load_quantized(folder)
+    return model, recipe.name
+
 
 def _model_folder(model: str | Path | None) -> Path:
     from edgefinfer import reference

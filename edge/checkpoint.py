@@ -81,6 +81,11 @@ def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
 def load_model(path: str | Path, dtype: str | torch.dtype | None = "float32") -> Transformer:
     """Load a HF folder into our Transformer (eval mode). dtype None keeps the stored dtype."""
     config = load_config(path)
+    if "quantization_config" in config.extra:
+        method = config.extra["quantization_config"].get("recipe", {})
+        raise UserError(f"{path} is a quantized checkpoint ({method.get('name', 'edgefinfer') if isinstance(method, dict) else method}); "
+                        f"use it with `edgefinfer build --model {path}` or load it with "
+                        f"edgefinfer.compile.quant.checkpoint.load_quantized")
     state = load_state_dict(path)
     # transformers omits lm_head.weight when embeddings are tied.
     state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}

@@ -239,15 +239,15 @@ def _not_built(name: str, issue: int, what: str) -> None:
 
 def _add_stage_commands() -> None:
     """Commands that live with their stage (they import only click at module level)."""
+    from edgefinfer.compile.quant.cli import quantize
     from edgefinfer.distill.cli import distill
     from edgefinfer.prune.cli import prune
 
-    cli.add_command(distill)
-    cli.add_command(prune)
+    for command in (distill, prune, quantize):
+        cli.add_command(command)
 
 
 _add_stage_commands()
-_not_built("quantize", 4, "Quantize a model: int8, int4 RTN/GPTQ/AWQ, 8da4w, FP8, mixed precision")
 _not_built("serve", 7, "Serve a model with the OpenAI-compatible server")
 _not_built("bench", 2, "Benchmarks live in bench/ (python bench/core.py); a CLI entry")
 

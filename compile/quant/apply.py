@@ -1,0 +1,205 @@
+"""Quantize a model with a recipe: RTN, GPTQ or AWQ on the decoder linears, RTN on embeddings / head.
+
+`quantize_model(model, recipe, calib)` rewrites `model` in place (nn.Linear -> QuantLinear /
+Fp8Linear, nn.Embedding -> QuantEmbedding) and returns a `QuantResult` with the per-layer formats
+and timings. The rewritten model is still our `Transformer`: same forward, same cache contract.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+
+from edgefinfer.compile.quant import awq as awq_mod
+from edgefinfer.compile.quant.calibrate import (INPUT_GROUPS, ActivationSampler, HessianAccumulator, LayerRunner,
+                                                capture_inputs)
+from edgefinfer.compile.quant.gptq import gptq_quantize
+from edgefinfer.compile.quant.modules import Fp8Linear, QuantEmbedding, QuantLinear, model_size_bytes, tied_head
+from edgefinfer.compile.quant.primitives import IntWeights, quantize_fp8, quantize_int
+from edgefinfer.compile.quant.recipe import QuantRecipe, WeightFormat
+from edgefinfer.errors import UserError
+from edgefinfer.model import Transformer
+
+Progress = Callable[[str], None]
+EMBEDDING, LM_HEAD = "model.embed_tokens", "lm_head"
+
+
+@dataclass
+class QuantResult:
+    recipe: QuantRecipe
+    formats: dict[str, WeightFormat | None]  # every linear / embedding -> its format (None = float)
+    seconds: float
+    size_bytes: int
+    tied_head: bool
+    layer_seconds: list[float] = field(default_factory=list)
+    awq_gain: list[float] = field(default_factory=list)  # per scaling group: RTN loss / AWQ loss
+
+    def bits_table(self) -> dict[str, str]:
+        return {name: "float" if f is None else f.label() for name, f in self.formats.items()}
+
+
+def plan_formats(model: Transformer, recipe: QuantRecipe) -> dict[str, WeightFormat | None]:
+    """The format of every linear and the embedding, validated against the model's shapes up front
+    (a group size that does not divide a dimension fails before any work is done)."""
+    plan: dict[str, WeightFormat | None] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            role = "lm_head" if name == LM_HEAD else "linear"
+            plan[name] = recipe.format_for(name, role)
+    plan[EMBEDDING] = recipe.format_for(EMBEDDING, "embedding")
+    for name, fmt in plan.items():
+        if fmt is None:
+            continue
+        k = model.get_submodule(name).weight.shape[1]
+        if fmt.kind == "int":
+            fmt.group_for(k, name)
+    if model.config.tie_word_embeddings and plan[EMBEDDING] != plan[LM_HEAD]:
+        label = lambda f: "float" if f is None else f.label()  # noqa: E731
+        raise UserError(f"the model ties lm_head to its embeddings, but the recipe gives them different formats "
+                        f"({label(plan[EMBEDDING])} vs {label(plan[LM_HEAD])}): give both the same one")
+    if plan[EMBEDDING] is not None and plan[EMBEDDING].kind != "int":
+        raise UserError("embeddings can be quantized to integers only (use -emb8, -emb4 or -embf)")
+    return plan
+
+
+def set_module(root: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, child, module)
+
+
+def _quantized_linear(linear: nn.Linear, fmt: WeightFormat, act_quant: bool, name: str,
+                      weights: IntWeights | None = None) -> nn.Module:
+    if fmt.kind == "fp8":
+        return Fp8Linear.from_float(linear, quantize_fp8(linear.weight))
+    weights = weights if weights is not None else quantize_int(linear.weight, fmt, name)
+    return QuantLinear.from_float(linear, fmt, weights, act_quant, name)
+
+
+def quantize_model(model: Transformer, recipe: QuantRecipe, calib: Tensor | None = None,
+                   progress: Progress | None = None, batch_size: int = 8) -> QuantResult:
+    """Quantize `model` in place. `calib` [N, S] token blocks are needed by GPTQ and AWQ."""
+    t0 = time.perf_counter()
+    plan = plan_formats(model, recipe)
+    say = progress or (lambda _msg: None)
+    act_quant = recipe.activations == "int8-per-token"
+    result = QuantResult(recipe, plan, 0.0, 0, model.config.tie_word_embeddings)
+    calibrated = recipe.method in ("gptq", "awq")
+    if calibrated and (calib is None or calib.numel() == 0):
+        raise UserError(f"{recipe.method} needs calibration data, but the calibration set is empty: "
+                        "pass calibration blocks (e.g. --calib-blocks 32) or use an RTN recipe")
+
+    # Embeddings first, so calibration activations start from the quantized lookup.
+    _quantize_embedding_and_head(model, plan, act_quant)
+    layers = model.model.layers
+    if calibrated:
+        runner = LayerRunner(model, calib, batch_size)
+        say(f"[{recipe.method}] calibrating on {calib.shape[0]} blocks x {calib.shape[1]} tokens, "
+            f"{len(layers)} layers")
+        for i, layer in enumerate(layers):
+            t = time.perf_counter()
+            prefix = f"model.layers.{i}."
+            fmts = {n: plan[prefix + n] for grp in INPUT_GROUPS for n in grp}
+            if recipe.method == "gptq":
+                _gptq_layer(layer, runner, fmts, recipe, act_quant, prefix)
+            else:
+                result.awq_gain += _awq_layer(layer, runner, fmts, recipe, act_quant, prefix)
+            runner.advance(layer)
+            result.layer_seconds.append(time.perf_counter() - t)
+            say(f"[{recipe.method}] layer {i + 1:3d}/{len(layers)}  {result.layer_seconds[-1]:6.2f}s  "
+                f"elapsed {time.perf_counter() - t0:7.1f}s")
+        del runner
+
+    # RTN for whatever is still float and planned (all decoder linears for RTN recipes).
+    for name, fmt in plan.items():
+        module = model.get_submodule(name)
+        if fmt is None or not isinstance(module, nn.Linear):
+            continue
+        set_module(model, name, _quantized_linear(module, fmt, act_quant, name))
+
+    result.seconds = time.perf_counter() - t0
+    result.size_bytes = model_size_bytes(model)
+    say(f"[{recipe.method}] done in {result.seconds:.1f}s, {result.size_bytes / 1e6:.2f} MB")
+    return result
+
+
+def _quantize_embedding_and_head(model: Transformer, plan: dict[str, WeightFormat | None], act_quant: bool) -> None:
+    emb_fmt = plan[EMBEDDING]
+    emb = model.model.embed_tokens
+    if model.config.tie_word_embeddings:
+        if emb_fmt is not None:
+            qemb = QuantEmbedding.from_float(emb, emb_fmt, quantize_int(emb.weight, emb_fmt, EMBEDDING))
+            model.model.embed_tokens = qemb
+            model.lm_head = tied_head(qemb, act_quant)
+        return
+    if emb_fmt is not None:
+        model.model.embed_tokens = QuantEmbedding.from_float(emb, emb_fmt, quantize_int(emb.weight, emb_fmt, EMBEDDING))
+    # An untied head is quantized with the decoder linears (RTN), like any other linear.
+
+
+# ---- GPTQ ------------------------------------------------------------------------------------------------
+
+def _gptq_layer(layer: nn.Module, runner: LayerRunner, fmts: dict[str, WeightFormat | None], recipe: QuantRecipe,
+                act_quant: bool, prefix: str) -> None:
+    groups = [g for g in INPUT_GROUPS if any(fmts[n] is not None and fmts[n].kind == "int" for n in g)]
+    # true_sequential: one pass per input group, so o_proj sees quantized q/k/v, etc.
+    stages = [[g] for g in groups] if recipe.gptq.true_sequential else [groups]
+    for stage in stages:
+        hessians = HessianAccumulator()
+        heads = [g[0] for g in stage]
+        with capture_inputs(layer, heads, hessians, stop_after=heads[-1]):
+            runner.run(layer, until_stop=True)
+        for grp in stage:
+            H = hessians.hessian(grp[0])
+            _gptq_group(layer, grp, H, fmts, recipe, act_quant, prefix)
+
+
+def _gptq_group(layer: nn.Module, names: tuple[str, ...], H: Tensor, fmts: dict[str, WeightFormat | None],
+                recipe: QuantRecipe, act_quant: bool, prefix: str) -> None:
+    """GPTQ on linears sharing an input: rows are independent given H, so same-format linears are
+    solved as one stacked matrix."""
+    by_format: dict[WeightFormat, list[str]] = {}
+    for n in names:
+        fmt = fmts[n]
+        if fmt is not None and fmt.kind == "int":
+            by_format.setdefault(fmt, []).append(n)
+    for fmt, members in by_format.items():
+        linears = [layer.get_submodule(n) for n in members]
+        W = torch.cat([lin.weight.detach() for lin in linears])  # [sum N_i, K]
+        q = gptq_quantize(W, H, fmt, recipe.gptq, where=prefix + members[0])
+        row = 0
+        for n, lin in zip(members, linears):
+            rows = slice(row, row + lin.out_features)
+            part = IntWeights(q.codes[rows], q.scales[rows], q.zeros[rows])
+            set_module(layer, n, _quantized_linear(lin, fmt, act_quant, prefix + n, part))
+            row += lin.out_features
+
+
+# ---- AWQ -------------------------------------------------------------------------------------------------
+
+def _awq_layer(layer: nn.Module, runner: LayerRunner, fmts: dict[str, WeightFormat | None], recipe: QuantRecipe,
+               act_quant: bool, prefix: str) -> list[float]:
+    groups = awq_mod.scaling_groups(layer)
+    sampler = ActivationSampler(recipe.awq.max_tokens, runner.tokens)
+    inputs = [g.inputs for g in groups]
+    with capture_inputs(layer, inputs, sampler, stop_after="mlp.down_proj"):
+        runner.run(layer, until_stop=True)
+    gains = []
+    for g in groups:
+        formats = [fmts[n] if fmts[n] is not None and fmts[n].kind == "int" else None for n in g.consumers]
+        if all(f is None for f in formats):
+            continue
+        weights = [layer.get_submodule(n).weight for n in g.consumers]
+        s, loss, rtn_loss = awq_mod.search_scale(sampler.rows(g.inputs), sampler.mean_abs(g.inputs), weights,
+                                                 formats, recipe.awq)
+        awq_mod.fold_scale(layer, g, s)
+        gains.append(rtn_loss / loss if loss > 0 else 1.0)
+    for grp in INPUT_GROUPS:
+        for n in grp:
+            fmt = fmts[n]
+            if fmt is not None:
+                set_module(layer, n, _quantized_linear(layer.get_submodule(n), fmt, act_quant, prefix + n))
+    return gains

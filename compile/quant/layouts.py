@@ -1,0 +1,182 @@
+"""Re-packing quantized modules into the layouts the exporters write, without re-quantizing.
+
+Every function here only moves bits: codes, scales and zero points come from the module unchanged,
+so the exported weights dequantize to exactly the eager model's weights (tests check it bit for bit
+against gguf-py's dequantizer, onnxruntime's MatMulNBits kernel and torchao's tensor).
+
+* ONNX Runtime `com.microsoft.MatMulNBits` (`to_matmulnbits`; `matmulnbits_reference` is a numpy
+  re-statement of ORT's documented semantics):
+    B            uint8 [N, k_blocks, block_size * bits / 8], codes unsigned (code + 2^(bits-1)),
+                 packed low bits first along K (4-bit: element 2j in the low nibble of byte j);
+    scales       float [N, k_blocks];
+    zero_points  uint8 [N, ceil(k_blocks * bits / 8)], unsigned, packed the same way; omitted when
+                 every zero point is 2^(bits-1), ORT's default (our symmetric formats);
+    y = A @ ((code - zero_point) * scale)^T, block_size a power of two >= 16.
+* GGUF `Q4_0` / `Q8_0` (`to_gguf_q4_0`, `to_gguf_q8_0`): blocks of 32 along K, each an fp16 `d`
+  followed by the codes: Q4_0 stores 16 bytes, byte j = (q[j] + 8) | (q[j + 16] + 8) << 4 and
+  decodes (nibble - 8) * d; Q8_0 stores 32 int8 and decodes q * d. Only symmetric group-32 formats
+  map (zero point 0); others raise a UserError naming the recipe that fits.
+* torchao / ExecuTorch XNNPACK 8da4w (`to_torchao`, `torchao_model`): `IntxUnpackedToInt8Tensor`
+  holds the same int8 codes, scales and int8 zero points; with `act_quant` it carries
+  `int8_asym_per_token` activation quantization, which XNNPACK lowers to its dynamically quantized
+  linear. XNNPACK's 4-bit kernels want symmetric weights (the 8da4w recipes are).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from edgefinfer.compile.quant.modules import QuantEmbedding, QuantLinear, _IntStorage
+from edgefinfer.errors import UserError
+
+MATMULNBITS_BITS = (2, 4, 8)
+GGUF_BLOCK = 32
+
+
+# ---- ONNX Runtime MatMulNBits -----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class MatMulNBitsWeights:
+    B: np.ndarray  # uint8 [N, k_blocks, blob_size]
+    scales: np.ndarray  # float32 (or float16) [N, k_blocks]
+    zero_points: np.ndarray | None  # uint8 [N, ceil(k_blocks * bits / 8)], None = the default 2^(bits-1)
+    K: int
+    N: int
+    bits: int
+    block_size: int
+
+    @property
+    def attributes(self) -> dict[str, int]:
+        return {"K": self.K, "N": self.N, "bits": self.bits, "block_size": self.block_size}
+
+
+def _pack_low_first(values: np.ndarray, bits: int) -> np.ndarray:
+    """uint8 [..., L] holding `bits`-bit values -> uint8 [..., ceil(L * bits / 8)], element i of each
+    byte's run in bits [i*bits, (i+1)*bits)."""
+    per_byte = 8 // bits
+    L = values.shape[-1]
+    pad = (-L) % per_byte
+    v = np.concatenate([values, np.zeros((*values.shape[:-1], pad), np.uint8)], -1) if pad else values
+    v = v.reshape(*v.shape[:-1], -1, per_byte).astype(np.uint16)
+    shifts = (np.arange(per_byte, dtype=np.uint16) * bits)
+    return (v << shifts).sum(-1).astype(np.uint8)
+
+
+def _unpack_low_first(packed: np.ndarray, bits: int, length: int) -> np.ndarray:
+    per_byte = 8 // bits
+    shifts = np.arange(per_byte, dtype=np.uint8) * bits
+    v = (packed[..., None] >> shifts) & ((1 << bits) - 1)
+    return v.reshape(*packed.shape[:-1], -1)[..., :length].astype(np.uint8)
+
+
+def to_matmulnbits(module: _IntStorage, scale_dtype: np.dtype = np.float32) -> MatMulNBitsWeights:
+    """The inputs and attributes of a MatMulNBits node computing `module` (a QuantLinear)."""
+    bits, g = module.fmt.bits, module.group_size
+    N, K = module.qweight.shape
+    if bits not in MATMULNBITS_BITS:
+        raise UserError(f"MatMulNBits takes {MATMULNBITS_BITS}-bit weights, this layer has {bits}")
+    if g < 16 or g & (g - 1):
+        raise UserError(f"MatMulNBits needs a power-of-two block size >= 16, this layer has {g} "
+                        "(per-channel needs K to be one); re-quantize with a -g32/-g64/-g128 recipe")
+    offset = 1 << (bits - 1)
+    codes = (module.qweight.numpy().astype(np.int16) + offset).astype(np.uint8)  # [N, K] in [0, 2^bits)
+    k_blocks = K // g
+    B = _pack_low_first(codes.reshape(N, k_blocks, g), bits)  # [N, k_blocks, g * bits / 8]
+    zeros = module.zeros.numpy().astype(np.int16) + offset  # [N, k_blocks]
+    zero_points = None if np.all(zeros == offset) else _pack_low_first(zeros.astype(np.uint8), bits)
+    scales = module.scales.numpy().astype(scale_dtype)
+    return MatMulNBitsWeights(B, scales, zero_points, K, N, bits, g)
+
+
+def matmulnbits_reference(w: MatMulNBitsWeights) -> np.ndarray:
+    """Dequantized B [N, K] float32 as ORT's MatMulNBits defines it: (code - zero_point) * scale."""
+    N, k_blocks, _ = w.B.shape
+    g = w.block_size
+    codes = _unpack_low_first(w.B, w.bits, g).astype(np.float32)  # [N, k_blocks, g]
+    if w.zero_points is None:
+        zp = np.full((N, k_blocks), 1 << (w.bits - 1), np.float32)
+    else:
+        zp = _unpack_low_first(w.zero_points, w.bits, k_blocks).astype(np.float32)
+    deq = (codes - zp[..., None]) * w.scales.astype(np.float32)[..., None]
+    return deq.reshape(N, k_blocks * g)[:, : w.K]
+
+
+# ---- GGUF Q4_0 / Q8_0 ---------------------------------------------------------------------------------
+
+def _check_gguf(module: _IntStorage, bits: int, type_name: str) -> None:
+    fmt = module.fmt
+    if fmt.kind != "int" or fmt.bits != bits or not fmt.symmetric or module.group_size != GGUF_BLOCK:
+        recipe = "int4-g32-sym" if bits == 4 else "int8-g32"
+        raise UserError(f"GGUF {type_name} is symmetric {bits}-bit in blocks of 32; this layer is "
+                        f"{fmt.label()}: quantize with recipe {recipe} (or let the GGUF exporter re-quantize)")
+
+
+def to_gguf_q4_0(module: _IntStorage) -> np.ndarray:
+    """uint8 [N, K / 32 * 18]: the tensor's bytes as gguf-py's `quantize(..., Q4_0)` lays them out."""
+    _check_gguf(module, 4, "Q4_0")
+    N, K = module.qweight.shape
+    nb = K // GGUF_BLOCK
+    q = (module.qweight.numpy().astype(np.int16) + 8).astype(np.uint8).reshape(N, nb, GGUF_BLOCK)
+    qs = q[..., :16] | (q[..., 16:] << 4)  # [N, nb, 16]
+    d = module.scales.numpy().astype(np.float16).reshape(N, nb, 1).view(np.uint8)  # [N, nb, 2]
+    return np.concatenate([d, qs], -1).reshape(N, nb * 18)
+
+
+def to_gguf_q8_0(module: _IntStorage) -> np.ndarray:
+    """uint8 [N, K / 32 * 34]: fp16 d then 32 int8 codes per block."""
+    _check_gguf(module, 8, "Q8_0")
+    N, K = module.qweight.shape
+    nb = K // GGUF_BLOCK
+    qs = module.qweight.numpy().astype(np.int8).reshape(N, nb, GGUF_BLOCK).view(np.uint8)
+    d = module.scales.numpy().astype(np.float16).reshape(N, nb, 1).view(np.uint8)
+    return np.concatenate([d, qs], -1).reshape(N, nb * 34)
+
+
+# ---- torchao (ExecuTorch / XNNPACK) ------------------------------------------------------------------
+
+def to_torchao(module: _IntStorage, dtype: torch.dtype = torch.float32) -> Tensor:
+    """A torchao `IntxUnpackedToInt8Tensor` [N, K] holding the module's codes, scales and zeros."""
+    try:
+        from torchao.quantization import IntxUnpackedToInt8Tensor
+        from torchao.quantization.quantize_.workflows.intx.intx_unpacked_to_int8_tensor import (
+            IntxUnpackedToInt8TensorActivationQuantization as ActQuant)
+    except ImportError as e:
+        raise UserError("the ExecuTorch layout needs torchao: pip install torchao==0.18.0") from e
+    act = ActQuant.INT8_ASYM_PER_TOKEN if getattr(module, "act_quant", False) else None
+    return IntxUnpackedToInt8Tensor(
+        qdata=module.qweight,
+        scale=module.scales.to(dtype),
+        zero_point=module.zeros,
+        target_dtype=getattr(torch, f"int{module.fmt.bits}"),
+        block_size=(1, module.group_size),
+        dtype=dtype,
+        activation_quantization=act,
+    )
+
+
+def torchao_model(model: nn.Module, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """Swap (in place) every QuantLinear / QuantEmbedding for an nn.Linear / nn.Embedding whose weight
+    is the equivalent torchao tensor, ready for torch.export + the XNNPACK partitioner. A tied head
+    shares its embedding's codes (its tensor differs only in carrying activation quantization)."""
+    converted: dict[tuple[int, bool], Tensor] = {}
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, (QuantLinear, QuantEmbedding)):
+            continue
+        key = (module.qweight.data_ptr(), bool(getattr(module, "act_quant", False)))
+        if key not in converted:
+            converted[key] = nn.Parameter(to_torchao(module, dtype), requires_grad=False)
+        if isinstance(module, QuantLinear):
+            new: nn.Module = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
+                                       device="meta")
+            if module.bias is not None:
+                new.bias = nn.Parameter(module.bias.detach().to(dtype), requires_grad=False)
+        else:
+            new = nn.Embedding(module.num_embeddings, module.embedding_dim, device="meta")
+        new.weight = converted[key]
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+    return model

@@ -1,0 +1,141 @@
+"""Quantization arithmetic: choosing scales and zero points, rounding, dequantizing.
+
+Conventions (shared by every method and every exporter, see docs/QUANTIZATION.md):
+
+* Integer codes are stored signed in int8: a b-bit code lies in [-2^(b-1), 2^(b-1) - 1]
+  (int4: [-8, 7]), as in torchao's `IntxUnpackedToInt8Tensor`. Unsigned layouts (ONNX MatMulNBits,
+  GGUF) add 2^(b-1) to codes and zero points, which changes nothing else.
+* Dequantization is `(q - zero) * scale` per group of consecutive input channels.
+* Scales are rounded *up* to float16 (or, for XNNPACK's 4-bit kernels, which keep scales in
+  bfloat16, to bfloat16 values, stored as float16) before the codes are chosen. fp16 (GGUF) and fp32 (ONNX,
+  torchao) consumers then dequantize to exactly the same float32 values (`(q - z)` has at most 9
+  significant bits and an fp16 scale 11, so their product is exact in float32), and rounding up
+  rather than to nearest keeps every value inside the representable range, so no code is clipped.
+* Symmetric int8 uses [-127, 127] with scale amax/127 (XNNPACK's and GGUF Q8_0's convention).
+  Symmetric codes below 8 bits use the whole [-2^(b-1), 2^(b-1)-1] range with the smallest scale that
+  clips nothing: max(max_pos / qmax, min_neg / qmin), so int4 reaches -8 like GGUF Q4_0.
+* Asymmetric: scale = (max_pos - min_neg) / (qmax - qmin), an integer zero point in [qmin, qmax]; the
+  range always contains 0, so zero is exact (padding and ReLU-like zeros stay zero).
+
+Every rounding error is therefore at most scale / 2 (plus the fp16 rounding of the scale itself).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from edgefinfer.compile.quant.recipe import WeightFormat
+
+FP16_MAX = 65504.0
+BF16_MAX_IN_FP16 = 65280.0  # the largest bfloat16 value that float16 holds
+SCALE_MIN = 2.0**-14  # smallest normal fp16: all-zero and near-zero groups get this scale
+FP8_MAX = 448.0  # largest finite float8 e4m3fn
+FP8_SCALE_MIN = 1e-12
+
+
+class IntWeights(NamedTuple):
+    """A weight matrix [N, K] as integer codes in groups of `group_size` input channels."""
+
+    codes: Tensor  # int8 [N, K], values in qrange(bits, symmetric)
+    scales: Tensor  # float16 [N, K // group_size]
+    zeros: Tensor  # int8 [N, K // group_size]; all 0 when symmetric
+
+
+class Fp8Weights(NamedTuple):
+    codes: Tensor  # float8_e4m3fn [N, K]
+    scales: Tensor  # float32 [N, 1]
+
+
+def qrange(bits: int, symmetric: bool) -> tuple[int, int]:
+    """Smallest and largest code of a b-bit format."""
+    if symmetric and bits == 8:
+        return -127, 127
+    return -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+
+
+_SCALE_DTYPES = {"float16": (torch.float16, FP16_MAX), "bfloat16": (torch.bfloat16, BF16_MAX_IN_FP16)}
+
+
+def round_scale(scale: Tensor, scale_dtype: str = "float16") -> Tensor:
+    """The smallest `scale_dtype` value >= scale (clamped to fp16's normal range), as float32.
+
+    bfloat16 values in that range are exact in float16 too, so either kind is stored as float16."""
+    dtype, largest = _SCALE_DTYPES[scale_dtype]
+    s = scale.float().clamp(SCALE_MIN, largest)
+    h = s.to(dtype)
+    # Positive fp16/bf16 values are ordered like their bit patterns: +1 on the bits is the next value up.
+    h = torch.where(h.float() < s, (h.view(torch.int16) + 1).view(dtype), h)
+    return h.float()
+
+
+def choose_qparams(w: Tensor, bits: int, symmetric: bool, scale_dtype: str = "float16") -> tuple[Tensor, Tensor]:
+    """Scale (fp16- or bf16-valued float32) and zero point (float, integral) of each row of `w` [..., g] -> [...]."""
+    qmin, qmax = qrange(bits, symmetric)
+    w = w.float()
+    min_neg = w.amin(-1).clamp(max=0.0)  # [...]
+    max_pos = w.amax(-1).clamp(min=0.0)
+    if symmetric:
+        scale = round_scale(torch.maximum(max_pos / qmax, min_neg / qmin), scale_dtype)
+        return scale, torch.zeros_like(scale)
+    scale = round_scale((max_pos - min_neg) / (qmax - qmin), scale_dtype)
+    zero = (qmin - torch.round(min_neg / scale)).clamp(qmin, qmax)
+    return scale, zero
+
+
+def quantize_with(w: Tensor, scale: Tensor, zero: Tensor, bits: int, symmetric: bool) -> Tensor:
+    """Codes (float, integral) of `w` [..., g] with per-row scale/zero [...] (or broadcastable)."""
+    qmin, qmax = qrange(bits, symmetric)
+    if scale.dim() == w.dim() - 1:
+        scale, zero = scale[..., None], zero[..., None]
+    return (torch.round(w.float() / scale) + zero).clamp(qmin, qmax)
+
+
+def quantize_int(w: Tensor, fmt: WeightFormat, where: str = "this layer") -> IntWeights:
+    """Round-to-nearest groupwise quantization of `w` [N, K]."""
+    N, K = w.shape
+    g = fmt.group_for(K, where)
+    groups = w.detach().float().reshape(N, K // g, g)  # [N, G, g]
+    scale, zero = choose_qparams(groups, fmt.bits, fmt.symmetric, fmt.scale_dtype)  # [N, G]
+    codes = quantize_with(groups, scale, zero, fmt.bits, fmt.symmetric)
+    return IntWeights(codes.reshape(N, K).to(torch.int8), scale.to(torch.float16), zero.to(torch.int8))
+
+
+def dequantize_int(codes: Tensor, scales: Tensor, zeros: Tensor) -> Tensor:
+    """float32 [N, K] from codes [N, K] and per-group scales/zeros [N, G] (group size K // G)."""
+    N, K = codes.shape
+    G = scales.shape[1]
+    q = codes.float().reshape(N, G, K // G)
+    return ((q - zeros.float()[..., None]) * scales.float()[..., None]).reshape(N, K)
+
+
+def quantize_fp8(w: Tensor) -> Fp8Weights:
+    """float8 e4m3 codes with one fp32 scale per row (amax maps to 448)."""
+    w = w.detach().float()
+    scale = (w.abs().amax(-1, keepdim=True) / FP8_MAX).clamp(min=FP8_SCALE_MIN)  # [N, 1]
+    codes = (w / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return Fp8Weights(codes, scale)
+
+
+def dequantize_fp8(codes: Tensor, scales: Tensor) -> Tensor:
+    return codes.float() * scales.float()
+
+
+def fake_quant_per_token_int8(x: Tensor) -> Tensor:
+    """Quantize-dequantize activations [..., K] to asymmetric int8 per token (row), like XNNPACK's
+    dynamic quantization and torchao's `int8_asym_per_token` (same formula, same rounding)."""
+    qmin, qmax = -128, 127
+    min_neg = x.amin(-1, keepdim=True).clamp(max=0.0)
+    max_pos = x.amax(-1, keepdim=True).clamp(min=0.0)
+    scale = ((max_pos - min_neg) / float(qmax - qmin)).clamp(min=torch.finfo(x.dtype).smallest_normal)
+    zero = (qmin - torch.round(min_neg / scale)).clamp(qmin, qmax)
+    q = (torch.round(x * (1.0 / scale)) + zero).clamp(qmin, qmax)
+    return (q - zero) * scale
+
+
+def int_error_bound(scales: Tensor, group_size: int) -> Tensor:
+    """Largest |w - dequant(quant(w))| of round-to-nearest per element [N, K]: half a step (the
+    1e-6 covers the float32 rounding of w / scale)."""
+    return (scales.float() * 0.5 * (1 + 1e-6)).repeat_interleave(group_size, dim=1)

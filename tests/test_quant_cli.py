@@ -1,0 +1,96 @@
+"""`edgefinfer quantize` on a tiny model folder: the checkpoint, the report, and one-line errors."""
+
+import json
+
+import pytest
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import models, pre_tokenizers
+
+from edgefinfer import cli as edge_cli
+from edgefinfer.checkpoint import save_model
+from edgefinfer.compile.quant.checkpoint import load_quantized
+from edgefinfer.compile.quant.cli import REPORT_FILE, parse_size, quantize
+from edgefinfer.errors import UserError
+from tests.helpers import tiny_model
+
+
+@pytest.fixture
+def run(monkeypatch):
+    """`edgefinfer ARGS...` with this command wired in: returns (exit code, captured output)."""
+    monkeypatch.setitem(edge_cli.cli.commands, "quantize", quantize)
+
+    def _run(capsys, *args: str) -> tuple[int, str]:
+        code = edge_cli.main(["quantize", *args])
+        out = capsys.readouterr()
+        return code, out.out + out.err
+
+    return _run
+
+
+@pytest.fixture
+def tiny_dir(tmp_path):
+    """A tiny model folder with a word-level tokenizer over its 97 ids."""
+    folder = tmp_path / "tiny"
+    save_model(tiny_model(intermediate_size=128), folder)
+    words = "the a of and to in was her it he she that not be as for with had his you at by".split()
+    vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate(words)}}
+    vocab.update({f"w{i}": i for i in range(len(vocab), 97)})
+    tok = HFTokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def test_quantize_writes_checkpoint_report_and_summary(run, capsys, tiny_dir, tmp_path):
+    code, out = run(capsys, str(tiny_dir), "-r", "int4-gptq-g32", "-o", str(tmp_path / "q"), "--calib-blocks", "4",
+                    "--calib-len", "32", "--eval-tokens", "256", "--window", "64", "--stride", "32")
+    assert code == 0, out
+    assert "[gptq] layer   2/2" in out and "int4-g32-asym" in out and "test ppl" in out
+    report = json.loads((tmp_path / "q" / REPORT_FILE).read_text())
+    for key in ("size_bytes", "float_size_bytes", "test_ppl", "float_test_ppl", "kl_to_float", "top1_agreement",
+                "per_layer_bits", "quantize_seconds", "wall_seconds"):
+        assert key in report, key
+    assert report["per_layer_bits"]["model.layers.1.mlp.down_proj"] == "int4-g32-asym"
+    assert report["size_bytes"] < report["float_size_bytes"] and 0 < report["top1_agreement"] <= 1
+    model, recipe = load_quantized(tmp_path / "q")
+    assert recipe.name == "int4-gptq-g32" and (tmp_path / "q" / "tokenizer.json").is_file()
+    code, out = run(capsys, str(tmp_path / "q"), "-r", "int4-g32", "-o", str(tmp_path / "qq"))
+    assert code == 2 and "is already quantized (recipe int4-gptq-g32)" in out
+
+
+def test_mixed_precision_from_the_command_line(run, capsys, tiny_dir, tmp_path):
+    code, out = run(capsys, str(tiny_dir), "-r", "int4-g64-sym", "-o", str(tmp_path / "m"), "--calib-blocks", "2",
+                    "--calib-len", "32", "--eval-tokens", "0", "--mixed-budget", "int4-g32-sym",
+                    "--mixed-unit", "linear")
+    assert code == 0, out
+    report = json.loads((tmp_path / "m" / REPORT_FILE).read_text())
+    mixed = report["mixed_precision"]
+    assert set(mixed["choice"].values()) <= {"int4-g64-sym", "int8-g32-sym"} and len(mixed["choice"]) == 14
+    assert "KL int4-g64-sym" in out  # the sensitivity table
+
+
+@pytest.mark.parametrize("args,message", [
+    (["-r", "int3-magic"], "unknown recipe 'int3-magic'"),
+    (["-r", "int4-g128"], "group size 128 does not divide the input dimension 64"),
+    (["-r", "int4-gptq-g32", "--calib-blocks", "0"], "calibration set is empty"),
+    (["-r", "int4-g32", "--mixed-budget", "1kb", "--calib-blocks", "1", "--calib-len", "16"], "below the smallest"),
+    (["-r", "int4-g32", "--mixed-budget", "lots"], "cannot read the size 'lots'"),
+])
+def test_bad_input_is_one_line_and_exit_code_2(run, capsys, tiny_dir, tmp_path, args, message):
+    code, out = run(capsys, str(tiny_dir), "-o", str(tmp_path / "x"), "--eval-tokens", "0", *args)
+    assert code == 2
+    assert message in out and out.startswith("error: ") and out.count("\n") == 1, out
+    assert not (tmp_path / "x").exists()
+
+
+def test_empty_calibration_text(run, capsys, tiny_dir, tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    code, out = run(capsys, str(tiny_dir), "-r", "int4-awq-g32", "-o", str(tmp_path / "x"), "--calib-text", str(empty))
+    assert code == 2 and "calibration set is empty" in out
+
+
+def test_parse_size():
+    assert parse_size("85MB") == 85_000_000 and parse_size("1.5 MiB") == 1_572_864 and parse_size("123") == 123
+    with pytest.raises(UserError):
+        parse_size("-3MB")

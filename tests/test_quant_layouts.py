@@ -1,0 +1,165 @@
+"""Re-packing for the exporters is bit-exact: GGUF Q4_0/Q8_0 (gguf-py), ONNX MatMulNBits (onnxruntime),
+torchao / ExecuTorch 8da4w (IntxUnpackedToInt8Tensor)."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from edgefinfer.compile.quant.layouts import (matmulnbits_reference, to_gguf_q4_0, to_gguf_q8_0, to_matmulnbits,
+                                              to_torchao, torchao_model)
+from edgefinfer.compile.quant.modules import QuantLinear
+from edgefinfer.compile.quant.primitives import quantize_int
+from edgefinfer.compile.quant.recipe import WeightFormat, parse_recipe
+from edgefinfer.errors import UserError
+from tests.test_quant_primitives import nasty_matrix
+
+
+def qlinear(fmt: WeightFormat, n: int = 48, k: int = 256, act_quant: bool = False, seed: int = 0,
+            w: torch.Tensor | None = None) -> QuantLinear:
+    w = nasty_matrix(n, k, seed) if w is None else w
+    n, k = w.shape
+    lin = nn.Linear(k, n, bias=False)
+    lin.weight.data = w
+    return QuantLinear.from_float(lin, fmt, quantize_int(w, fmt), act_quant)
+
+
+# ---- GGUF -------------------------------------------------------------------------------------------------
+
+def test_q4_0_bytes_decode_to_our_weights():
+    gguf = pytest.importorskip("gguf")
+    m = qlinear(WeightFormat("int", 4, 32, True))
+    raw = to_gguf_q4_0(m)
+    assert raw.dtype == np.uint8 and raw.shape == (48, 256 // 32 * 18)
+    deq = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_0)
+    assert np.array_equal(deq, m.dequantized().numpy())
+
+
+def test_q8_0_bytes_decode_to_our_weights():
+    gguf = pytest.importorskip("gguf")
+    m = qlinear(WeightFormat("int", 8, 32, True))
+    raw = to_gguf_q8_0(m)
+    assert raw.shape == (48, 256 // 32 * 34)
+    deq = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q8_0)
+    assert np.array_equal(deq, m.dequantized().numpy())
+
+
+def test_q4_0_layout_matches_gguf_quantizer_on_its_own_grid():
+    # Weights already on a Q4_0 grid: gguf-py's quantizer and our re-packing give the same bytes.
+    gguf = pytest.importorskip("gguf")
+    rng = np.random.default_rng(0)
+    codes = rng.integers(-8, 8, size=(8, 64)).astype(np.float32)
+    codes[:, ::32] = -8  # the block's largest magnitude is negative, as Q4_0 maps it to -8
+    d = np.repeat(rng.uniform(0.5, 2, size=(8, 2)).astype(np.float16).astype(np.float32), 32, axis=1)
+    w = codes * d
+    m = qlinear(WeightFormat("int", 4, 32, True), w=torch.from_numpy(w))
+    assert np.array_equal(to_gguf_q4_0(m), gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_0))
+
+
+@pytest.mark.parametrize("fmt,fn", [(WeightFormat("int", 4, 32, False), to_gguf_q4_0),
+                                    (WeightFormat("int", 4, 64, True), to_gguf_q4_0),
+                                    (WeightFormat("int", 8, None, True), to_gguf_q8_0),
+                                    (WeightFormat("int", 4, 32, True), to_gguf_q8_0)])
+def test_gguf_refuses_formats_it_cannot_hold(fmt, fn):
+    with pytest.raises(UserError, match="symmetric .*blocks of 32.*recipe int"):
+        fn(qlinear(fmt))
+
+
+# ---- ONNX Runtime MatMulNBits ------------------------------------------------------------------------------
+
+MNB_FORMATS = [WeightFormat("int", b, g, s) for b in (4, 8, 2) for g in (32, 64, 128) for s in (True, False)]
+
+
+@pytest.mark.parametrize("fmt", MNB_FORMATS, ids=lambda f: f.label())
+def test_matmulnbits_packing_is_lossless(fmt):
+    m = qlinear(fmt)
+    packed = to_matmulnbits(m)
+    assert packed.B.shape == (48, 256 // fmt.group_size, fmt.group_size * fmt.bits // 8)
+    assert (packed.zero_points is None) == fmt.symmetric
+    assert np.array_equal(matmulnbits_reference(packed), m.dequantized().numpy())
+
+
+def test_matmulnbits_nibble_order_is_low_first():
+    m = qlinear(WeightFormat("int", 4, 32, False), w=torch.randn(1, 32))
+    codes = torch.arange(-8, 8, dtype=torch.int8).repeat(2)[None]  # [1, 32]
+    m.qweight = codes
+    m.zeros = torch.tensor([[-3]], dtype=torch.int8)
+    packed = to_matmulnbits(m)
+    assert packed.B[0, 0, 0] == 0x10  # codes -8, -7 -> unsigned 0, 1: element 0 in the low nibble
+    assert packed.B[0, 0, 7] == 0xFE  # codes 6, 7 -> 14, 15
+    assert packed.zero_points.tolist() == [[5]]  # -3 + 8, low nibble; the high nibble is padding
+
+
+def _run_matmulnbits(packed, a: np.ndarray) -> np.ndarray:
+    ort = pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnx")
+    from onnx import TensorProto, helper, numpy_helper
+
+    inits = [numpy_helper.from_array(packed.B, "B"), numpy_helper.from_array(packed.scales, "scales")]
+    inputs = ["A", "B", "scales"]
+    if packed.zero_points is not None:
+        inits.append(numpy_helper.from_array(packed.zero_points, "zero_points"))
+        inputs.append("zero_points")
+    node = helper.make_node("MatMulNBits", inputs, ["Y"], domain="com.microsoft", accuracy_level=0,
+                            **packed.attributes)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("A", TensorProto.FLOAT, [None, packed.K])],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [None, packed.N])], inits)
+    model = helper.make_model(graph, ir_version=10,
+                              opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 1
+    sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    return sess.run(None, {"A": a})[0]
+
+
+@pytest.mark.parametrize("fmt", [WeightFormat("int", 4, 32, True), WeightFormat("int", 4, 64, False),
+                                 WeightFormat("int", 4, 128, False), WeightFormat("int", 8, 32, True),
+                                 WeightFormat("int", 8, 64, False)], ids=lambda f: f.label())
+def test_onnxruntime_matmulnbits_computes_our_weights(fmt):
+    m = qlinear(fmt)
+    packed = to_matmulnbits(m)
+    # Identity input: every output is one exact product, so ORT's dequantized weights come back bit-exact.
+    eye = np.eye(packed.K, dtype=np.float32)
+    assert np.array_equal(_run_matmulnbits(packed, eye), m.dequantized().numpy().T)
+    x = torch.randn(5, packed.K)
+    np.testing.assert_allclose(_run_matmulnbits(packed, x.numpy()), m(x).detach().numpy(), rtol=1e-5, atol=1e-4)
+
+
+def test_matmulnbits_refuses_unsupported_blocks():
+    with pytest.raises(UserError, match="power-of-two block size"):
+        to_matmulnbits(qlinear(WeightFormat("int", 8, None, True), k=96))
+    with pytest.raises(UserError, match="bit weights"):
+        to_matmulnbits(qlinear(WeightFormat("int", 3, 32, True)))
+
+
+# ---- torchao / ExecuTorch ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt,act", [(WeightFormat("int", 4, 32, True), True),
+                                     (WeightFormat("int", 4, 64, False), False),
+                                     (WeightFormat("int", 8, None, True), True)], ids=str)
+def test_torchao_tensor_computes_the_same_linear(fmt, act):
+    pytest.importorskip("torchao")
+    m = qlinear(fmt, act_quant=act)
+    t = to_torchao(m)
+    assert torch.equal(t.dequantize(), m.dequantized())
+    x = torch.randn(2, 3, 256)
+    assert torch.equal(F.linear(x, t), m(x))
+
+
+def test_torchao_model_swap_keeps_logits():
+    pytest.importorskip("torchao")
+    from edgefinfer.compile.quant.apply import quantize_model
+    from tests.helpers import tiny_model
+
+    model = tiny_model(tie_word_embeddings=True)
+    quantize_model(model, parse_recipe("8da4w-g32-emb4"))
+    ids = torch.randint(0, 97, (1, 12))
+    with torch.no_grad():
+        before = model(ids)
+        torchao_model(model)
+        after = model(ids)
+    assert type(model.lm_head) is nn.Linear and type(model.model.embed_tokens) is nn.Embedding
+    assert model.lm_head.weight.activation_quantization is not None
+    assert model.model.embed_tokens.weight.qdata.data_ptr() == model.lm_head.weight.qdata.data_ptr()  # one copy
+    assert torch.equal(before, after)

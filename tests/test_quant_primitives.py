@@ -1,0 +1,129 @@
+"""Quantization arithmetic: every scheme stays within its theoretical error bound, incl. edge cases."""
+
+import pytest
+import torch
+
+from edgefinfer.compile.quant.primitives import (SCALE_MIN, choose_qparams, dequantize_fp8, dequantize_int,
+                                                 fake_quant_per_token_int8, int_error_bound, qrange, quantize_fp8,
+                                                 quantize_int, round_scale)
+from edgefinfer.compile.quant.recipe import WeightFormat
+
+
+def nasty_matrix(n: int = 48, k: int = 256, seed: int = 0) -> torch.Tensor:
+    """Gaussian weights plus the cases that break naive quantizers."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.05
+    w[0, :128] = 0.0  # all-zero groups (for every group size up to 128)
+    w[1] = 0.0  # an all-zero row
+    w[:, 7] *= 80.0  # outlier input channels, as activations-heavy models have
+    w[:, k - 56] *= -120.0
+    w[2, 64:128] = 1e-6 * torch.randn(w[2, 64:128].numel(), generator=g)  # far below fp16's normal range
+    w[3, :] = torch.linspace(0.01, 0.02, k)  # strictly positive rows: asymmetric must still include 0
+    return w
+
+
+FORMATS = [WeightFormat("int", b, g, s) for b in (8, 4, 3, 2) for g in (32, 64, 128, None) for s in (True, False)]
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.label())
+def test_round_to_nearest_is_within_half_a_step(fmt):
+    w = nasty_matrix()
+    q = quantize_int(w, fmt)
+    g = fmt.group_for(w.shape[1])
+    deq = dequantize_int(*q)
+    assert q.codes.dtype == torch.int8 and q.scales.dtype == torch.float16 and q.zeros.dtype == torch.int8
+    qmin, qmax = qrange(fmt.bits, fmt.symmetric)
+    assert q.codes.min() >= qmin and q.codes.max() <= qmax
+    assert q.zeros.min() >= qmin and q.zeros.max() <= qmax
+    if fmt.symmetric:
+        assert (q.zeros == 0).all()
+    assert ((w - deq).abs() <= int_error_bound(q.scales, g)).all()
+    # The bound is tight, not vacuous: the step is the range over the levels, rounded up to fp16.
+    groups = w.reshape(w.shape[0], -1, g)
+    lo, hi = groups.amin(-1).clamp(max=0), groups.amax(-1).clamp(min=0)
+    ideal = torch.maximum(hi / qmax, lo / qmin) if fmt.symmetric else (hi - lo) / (qmax - qmin)
+    assert (q.scales.float() <= torch.maximum(ideal * (1 + 2**-10), torch.tensor(SCALE_MIN))).all()
+    # Zero stays exactly zero (all-zero groups, the zero row).
+    assert (deq[0, :128] == 0).all() and (deq[1] == 0).all()
+
+
+def test_scales_round_up_to_float16():
+    s = torch.tensor([1e-9, 0.1, 0.3333, 7.0, 1e6])
+    r = round_scale(s)
+    assert (r >= s.clamp(SCALE_MIN, 65504)).all()
+    assert torch.equal(r, r.half().float())  # exactly representable in fp16
+    assert r[0].item() == SCALE_MIN and r[-1].item() == 65504.0
+    assert r[2].item() == pytest.approx(0.3333, rel=2**-10)
+
+
+def test_bfloat16_scales_for_xnnpack():
+    w = nasty_matrix()
+    fmt = WeightFormat("int", 4, 32, True, "bfloat16")
+    q = quantize_int(w, fmt)
+    s = q.scales.float()
+    assert torch.equal(s, s.bfloat16().float())  # bf16 values, held exactly by the fp16 buffer
+    assert ((w - dequantize_int(*q)).abs() <= int_error_bound(q.scales, 32)).all()
+    fp16 = quantize_int(w, WeightFormat("int", 4, 32, True)).scales.float()
+    assert (s >= fp16).all() and (s <= fp16 * (1 + 2**-7)).all()  # rounded up, at most one bf16 step
+
+
+def test_symmetric_int4_uses_minus_eight_like_gguf():
+    w = torch.tensor([[-8.0, 1.0, 7.0, 0.0] * 8])
+    q = quantize_int(w, WeightFormat("int", 4, 32, True))
+    assert q.scales.item() == 1.0 and q.codes.min().item() == -8 and q.codes.max().item() == 7
+    assert torch.equal(dequantize_int(*q), w)
+
+
+def test_symmetric_int8_stays_in_the_restricted_range():
+    w = torch.tensor([[-1.0, 0.5] * 16])
+    q = quantize_int(w, WeightFormat("int", 8, 32, True))
+    assert q.codes.min().item() == -127  # never -128: XNNPACK and GGUF Q8_0 expect [-127, 127]
+
+
+def test_choose_qparams_asymmetric_range_contains_zero():
+    w = torch.full((1, 32), 5.0)
+    s, z = choose_qparams(w, 4, False)
+    assert z.item() == -8  # the grid starts at 0 so that 0 is exact
+    assert torch.equal(dequantize_int(torch.full((1, 32), 7, dtype=torch.int8), s.half()[None], z.to(torch.int8)[None]),
+                       torch.full((1, 32), 15 * s.item()))
+
+
+def test_fp8_is_within_e4m3_rounding():
+    w = nasty_matrix()
+    q = quantize_fp8(w)
+    assert q.codes.dtype == torch.float8_e4m3fn and q.scales.shape == (w.shape[0], 1)
+    deq = dequantize_fp8(*q)
+    # 3 mantissa bits: relative error <= 2^-4 for normals; below 2^-6 the subnormal step is 2^-9.
+    bound = torch.maximum(w.abs() * 2**-4, q.scales * 2**-10) * (1 + 1e-6)
+    assert ((w - deq).abs() <= bound).all()
+    assert (deq[1] == 0).all()
+    assert torch.allclose((w.abs().amax(-1) / q.scales.squeeze(1))[2:], torch.tensor(448.0))
+
+
+def test_activation_fake_quant_per_token():
+    x = torch.randn(3, 5, 64) * torch.tensor([1.0, 10.0, 0.01])[:, None, None]
+    y = fake_quant_per_token_int8(x)
+    step = (x.amax(-1, keepdim=True).clamp(min=0) - x.amin(-1, keepdim=True).clamp(max=0)) / 255
+    assert ((x - y).abs() <= step * 0.5 * (1 + 1e-5) + 1e-12).all()
+    assert torch.equal(fake_quant_per_token_int8(torch.zeros(2, 8)), torch.zeros(2, 8))
+
+
+def test_activation_fake_quant_matches_torchao():
+    ao = pytest.importorskip("torchao.quantization.quantize_.workflows.intx.intx_unpacked_to_int8_tensor")
+    x = torch.randn(4, 7, 96) * 3 + 0.5
+    x[0, 0] = 0.0
+    assert torch.equal(fake_quant_per_token_int8(x), ao._apply_int8_act_asym_per_token_quant_dequant(x))
+
+
+def test_codes_match_torchao_quantize_affine_with_our_qparams():
+    qp = pytest.importorskip("torchao.quantization.quant_primitives")
+    w = nasty_matrix()
+    formats = (WeightFormat("int", 4, 32, False), WeightFormat("int", 4, 64, True), WeightFormat("int", 8, None, True))
+    for fmt in formats:
+        q = quantize_int(w, fmt)
+        g = fmt.group_for(w.shape[1])
+        qmin, qmax = qrange(fmt.bits, fmt.symmetric)
+        ref = qp.quantize_affine(w, (1, g), q.scales.float(), q.zeros, torch.int8, qmin, qmax)
+        assert torch.equal(ref, q.codes), fmt.label()
+        back = qp.dequantize_affine(q.codes, (1, g), q.scales.float(), q.zeros, torch.int8, qmin, qmax)
+        assert torch.equal(back, dequantize_int(*q)), fmt.label()

@@ -1,0 +1,78 @@
+"""Recipe names, the registry, JSON round trips and per-module format resolution."""
+
+import pytest
+
+from edgefinfer.compile.quant.recipe import RECIPE_NAMES, RECIPES, QuantRecipe, WeightFormat, parse_recipe
+from edgefinfer.errors import UserError
+
+
+def test_names_parse_to_the_documented_schemes():
+    r = parse_recipe("int4-awq-g64")
+    assert (r.method, r.weights, r.activations) == ("awq", WeightFormat("int", 4, 64, False), "none")
+    r = parse_recipe("int4-gptq-g128-sym")
+    assert (r.method, r.weights.group_size, r.weights.symmetric, r.gptq.act_order) == ("gptq", 128, True, True)
+    assert not parse_recipe("int4-gptq-noact-g64").gptq.act_order
+    r = parse_recipe("int8")
+    assert r.weights == WeightFormat("int", 8, None, True) and r.embedding == WeightFormat("int", 8, None, True)
+    r = parse_recipe("8da4w-g32")
+    assert r.activations == "int8-per-token" and r.weights == WeightFormat("int", 4, 32, True, "bfloat16")
+    assert r.embedding == WeightFormat("int", 8, None, True)  # what XNNPACK runs as a tied head (qc8w)
+    assert parse_recipe("8da4w-g32-emb4").lm_head == WeightFormat("int", 4, 32, True, "bfloat16")
+    r = parse_recipe("fp8")
+    assert r.weights.kind == "fp8" and r.embedding is None and r.lm_head is None
+    assert parse_recipe("int4-g32-embf").embedding is None
+    assert parse_recipe("int4-g32-emb4").lm_head == WeightFormat("int", 4, 32, True)
+    assert parse_recipe("int4-pc-sym").weights.group_size is None
+
+
+def test_registry_holds_every_canonical_name():
+    assert set(RECIPES) == set(RECIPE_NAMES)
+    assert all(RECIPES[n].name == n for n in RECIPE_NAMES)
+
+
+@pytest.mark.parametrize("name", ["int5", "int4-g48", "int4-fancy", "fp8-g32", "8da4w-asym", "fp8-gptq", ""])
+def test_bad_names_raise_one_line_user_errors(name):
+    with pytest.raises(UserError) as e:
+        parse_recipe(name)
+    assert "\n" not in str(e.value)
+
+
+def test_unknown_name_lists_the_valid_ones():
+    with pytest.raises(UserError, match="int4-awq-g64.*8da4w-g32.*grammar"):
+        parse_recipe("int3-magic")
+
+
+def test_group_size_must_divide_the_input_dimension():
+    fmt = WeightFormat("int", 4, 128, True)
+    assert fmt.group_for(1536) == 128
+    with pytest.raises(UserError, match=r"group size 128 does not divide the input dimension 576 of q_proj.*32, 64"):
+        fmt.group_for(576, "q_proj")
+    assert WeightFormat("int", 8, None, True).group_for(576) == 576
+
+
+def test_bits_per_weight_counts_scales_and_zero_points():
+    assert WeightFormat("int", 4, 32, True).bits_per_weight(4096) == 4.5
+    assert WeightFormat("int", 4, 32, False).bits_per_weight(4096) == 4.625
+    assert WeightFormat("fp8").bits_per_weight(512) == 8 + 32 / 512
+
+
+def test_resolution_order_keep_float_then_overrides_then_role():
+    r = parse_recipe("int4-g32").replace(keep_float=("*.down_proj",))
+    r = r.with_overrides({"model.layers.0.self_attn.q_proj": WeightFormat("int", 8, 32, True),
+                          "model.layers.0.mlp.down_proj": WeightFormat("int", 8, 32, True)})
+    assert r.format_for("model.layers.0.self_attn.q_proj", "linear").bits == 8
+    assert r.format_for("model.layers.0.mlp.down_proj", "linear") is None  # keep_float wins
+    assert r.format_for("model.layers.1.self_attn.q_proj", "linear") == r.weights
+    assert r.format_for("model.embed_tokens", "embedding") == r.embedding
+
+
+def test_json_round_trip():
+    r = parse_recipe("int4-gptq-g64-sym").with_overrides({"model.layers.3.mlp.up_proj": None}, "mixed")
+    assert QuantRecipe.from_dict(r.to_dict()) == r
+    with pytest.raises(UserError, match="malformed"):
+        QuantRecipe.from_dict({"weights": {}})
+
+
+def test_methods_need_integer_weights():
+    with pytest.raises(UserError, match="fp8 is round-to-nearest only"):
+        QuantRecipe("x", WeightFormat("fp8"), method="gptq")
