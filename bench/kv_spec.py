@@ -60,14 +60,16 @@ def speculative(folder: Path, draft: Path | None, n_tokens: int, threads: int) -
     from edgefinfer.data import load_text
     from edgefinfer.runtime.engine import Engine
 
+    # A task that repeats its input (quoting, summarising with citations, editing code): the prompt holds
+    # a passage and the start of its repetition, so a model that continues faithfully copies it.
     passage = load_text("test")[2000:3400]
-    prompt = ("Copy the following passage exactly, word for word, then stop.\n\n" + passage)
+    prompt = passage + "\n\nThe same passage, quoted again in full:\n\n" + passage[:60]
 
     def timed(spec: str | None) -> tuple[list[int], float, object]:
         engine = Engine.load(folder, backend="torch", speculative=spec, threads=threads)
-        engine.generate(prompt, max_tokens=4, chat=True)  # warm-up
+        engine.generate(prompt, max_tokens=4)  # warm-up
         t0 = time.perf_counter()
-        out = engine.generate(prompt, max_tokens=n_tokens, chat=True)
+        out = engine.generate(prompt, max_tokens=n_tokens)
         dt = time.perf_counter() - out.stats.prefill_s - t0
         return out.token_ids, (len(out.token_ids) - 1) / dt, engine.speculation
 
