@@ -230,26 +230,34 @@ def get_target_checked(name: str) -> None:
     get_target(name).check()
 
 
-def _not_built(name: str, issue: int, what: str) -> None:
-    @cli.command(name=name, context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
-                 help=f"{what} (not built yet).")
-    def _cmd() -> None:
-        raise UserError(f"`edgefinfer {name}` is not built yet (tracked in issue {issue})")
-
-
 def _add_stage_commands() -> None:
     """Commands that live with their stage (they import only click at module level)."""
     from edgefinfer.compile.quant.cli import quantize
     from edgefinfer.distill.cli import distill
     from edgefinfer.prune.cli import prune
+    from edgefinfer.server_gpu.cli import serve
 
-    for command in (distill, prune, quantize):
+    for command in (distill, prune, quantize, serve):
         cli.add_command(command)
 
 
 _add_stage_commands()
-_not_built("serve", 7, "Serve a model with the OpenAI-compatible server")
-_not_built("bench", 2, "Benchmarks live in bench/ (python bench/core.py); a CLI entry")
+@cli.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.argument("name")
+@click.pass_context
+def bench(ctx: click.Context, name: str) -> None:
+    """Run a benchmark from the source tree's bench/ folder (core, kv_spec, quantize, compress, build,
+    runtime, server); extra options such as --quick are passed on."""
+    import subprocess
+
+    folder = Path(__file__).resolve().parent.parent / "bench"
+    script = folder / f"{name}.py"
+    if not folder.is_dir():
+        raise UserError("benchmarks ship with the source tree (bench/); run from a git checkout of edgefinfer")
+    if not script.is_file() or name == "common":
+        names = sorted(p.stem for p in folder.glob("*.py") if p.stem != "common")
+        raise UserError(f"unknown benchmark {name!r}; choose one of: {', '.join(names)}")
+    sys.exit(subprocess.call([sys.executable, str(script), *ctx.args]))
 
 
 def main(argv: list[str] | None = None) -> int:
