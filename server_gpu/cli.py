@@ -1,0 +1,93 @@
+"""`edgefinfer serve`: the OpenAI-compatible server from the command line.
+
+The lead's CLI mounts `serve` (this click command) in `edgefinfer.cli`; it also runs alone:
+`python -m edgefinfer.server_gpu.cli MODEL ...`.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import click
+
+from edgefinfer.errors import UserError
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("model", default="smollm2-135m")
+@click.option("--backend", type=click.Choice(["llamacpp", "torch"]), default=None,
+              help="Default: llamacpp for a GGUF or bundle, torch for a HF folder.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0 exposes it).")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
+@click.option("--max-num-seqs", default=32, show_default=True, type=click.IntRange(1, 256),
+              help="Sequences (choices) decoded together.")
+@click.option("--max-model-len", default=2048, show_default=True, type=click.IntRange(16),
+              help="Prompt + output tokens per sequence (capped by the model's context).")
+@click.option("--max-num-batched-tokens", default=512, show_default=True, type=click.IntRange(1),
+              help="Tokens per forward (the chunked-prefill budget).")
+@click.option("--prefill-chunk", default=256, show_default=True, type=click.IntRange(1),
+              help="Prompt chunk size; chunks start at multiples of it.")
+@click.option("--block-size", default=16, show_default=True, type=click.IntRange(1), help="Paged-KV block size.")
+@click.option("--no-prefix-caching", is_flag=True, help="Do not reuse computed prompt prefixes.")
+@click.option("--kv-unified", is_flag=True,
+              help="llama.cpp: one shared cell pool (prefixes stored once) instead of one stream per sequence; "
+                   "not batch-invariant.")
+@click.option("--kv-cells", type=click.IntRange(16), default=None, help="Cells of the --kv-unified pool.")
+@click.option("--preemption", type=click.Choice(["recompute", "swap"]), default="recompute", show_default=True,
+              help="When KV blocks run out: recompute the victim later, or park its KV in host memory (llama.cpp "
+                   "without --kv-unified; restores it exactly).")
+@click.option("--kv-dtype", type=click.Choice(["f32", "f16"]), default="f32", show_default=True,
+              help="KV cache precision (f32 matches `edgefinfer run` exactly).")
+@click.option("--flash-attn", is_flag=True, help="llama.cpp flash attention.")
+@click.option("--gpu-layers", default=0, show_default=True, type=click.IntRange(0),
+              help="llama.cpp layers offloaded to the GPU (CUDA build; 999 = all).")
+@click.option("--device", default="cpu", show_default=True, help="torch backend device (cpu, cuda).")
+@click.option("--threads", type=click.IntRange(1), default=None, help="CPU threads (default: all cores).")
+@click.option("--speculative", default=None, metavar="SPEC",
+              help="lookup[:NGRAM][,K] (prompt lookup) or draft:GGUF[,K] (a draft model).")
+@click.option("--fixed-k", is_flag=True, help="Always draft K tokens (default: adaptive, off when it does not pay).")
+@click.option("--served-model-name", default=None, help="The model id clients send (default: from MODEL).")
+@click.option("--api-key", envvar="EDGEFINFER_API_KEY", default=None,
+              help="Require 'Authorization: Bearer KEY' (or set EDGEFINFER_API_KEY).")
+@click.option("--max-body-bytes", default=1 << 20, show_default=True, type=click.IntRange(1024))
+@click.option("--log-level", default="info", show_default=True,
+              type=click.Choice(["critical", "error", "warning", "info", "debug"]))
+def serve(model: str, backend: str | None, host: str, port: int, max_num_seqs: int, max_model_len: int,
+          max_num_batched_tokens: int, prefill_chunk: int, block_size: int, no_prefix_caching: bool,
+          kv_unified: bool, kv_cells: int | None, preemption: str, kv_dtype: str, flash_attn: bool, gpu_layers: int, device: str,
+          threads: int | None, speculative: str | None, fixed_k: bool, served_model_name: str | None,
+          api_key: str | None, max_body_bytes: int, log_level: str) -> None:
+    """Serve MODEL (a .gguf, a bundle, a HF folder, or a shipped model name) with an OpenAI-compatible API."""
+    from edgefinfer.server_gpu.api import ServerLimits, create_app
+    from edgefinfer.server_gpu.launch import serve_forever
+    from edgefinfer.server_gpu.loader import ServeOptions, build_engine
+
+    logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    opts = ServeOptions(model=model, backend=backend, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                        max_num_batched_tokens=max(max_num_batched_tokens, max_num_seqs),
+                        prefill_chunk=prefill_chunk, block_size=block_size,
+                        enable_prefix_caching=not no_prefix_caching, kv_unified=kv_unified, kv_cells=kv_cells,
+                        flash_attn=flash_attn, kv_dtype=kv_dtype, threads=threads, gpu_layers=gpu_layers,
+                        device=device, speculative=speculative, adaptive_speculation=not fixed_k,
+                        served_model_name=served_model_name, preemption=preemption)
+    engine, name = build_engine(opts)
+    app = create_app(engine, name, api_key=api_key, limits=ServerLimits(max_body_bytes=max_body_bytes))
+    click.echo(f"serving {name} ({engine.executor.describe()['backend']}) on http://{host}:{port}/v1", err=True)
+    serve_forever(app, host, port, log_level)
+
+
+def main() -> int:
+    try:
+        serve.main(standalone_mode=False)
+    except UserError as e:
+        click.echo(f"error: {e}", err=True)
+        return 2
+    except click.ClickException as e:
+        click.echo(f"error: {e.format_message()}", err=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,211 @@
+"""The engine: one background thread that owns the scheduler and the executor.
+
+llama.cpp is not thread-safe and a forward should never wait for the HTTP side, so everything that
+touches the model, the KV manager or the scheduler runs in this one thread. The asyncio server talks
+to it through a queue of commands (`submit`, `abort`); outputs travel back through
+`loop.call_soon_threadsafe`, one hop per step for all the requests that step touched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from edgefinfer.runtime.kv.block_pool import sha256_block_hash
+from edgefinfer.runtime.kv.paged_manager import PagedKVManager
+from edgefinfer.server_gpu.interface import Executor, StepPlan
+from edgefinfer.server_gpu.metrics import Metrics
+from edgefinfer.server_gpu.request import GenerationParams, Request, RequestOutput
+from edgefinfer.server_gpu.scheduler import Scheduler, SchedulerConfig, StepStats
+from edgefinfer.server_gpu.speculation import SpeculationConfig
+from edgefinfer.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+_STOP = object()
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    scheduler: SchedulerConfig
+    enable_prefix_caching: bool = True
+
+
+class Engine:
+    def __init__(self, executor: Executor, tokenizer: Tokenizer, stop_ids: tuple[int, ...], config: EngineConfig,
+                 speculation: SpeculationConfig | None = None):
+        self.executor = executor
+        self.tokenizer = tokenizer
+        self.config = config
+        self.manager = PagedKVManager(executor.num_blocks, executor.block_size,
+                                      enable_prefix_caching=config.enable_prefix_caching,
+                                      per_sequence_storage=executor.per_sequence_storage, hash_fn=sha256_block_hash)
+        self.scheduler = Scheduler(config.scheduler, self.manager, tokenizer, stop_ids, executor.batch_invariant,
+                                   speculation, supports_swap=executor.supports_swap)
+        self.metrics = Metrics(self.snapshot)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._requests: dict[str, Request] = {}  # engine-thread view: whom to deliver to
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._snapshot: dict[str, float] = {}
+        self._spec_totals = [0, 0]  # drafted, accepted
+        self._publish()
+
+    # ------------------------------------------------------------------ any thread
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Start the engine thread; outputs are delivered on `loop` (or in the engine thread if None)."""
+        if self._thread is not None:
+            return
+        self._loop = loop
+        self._thread = threading.Thread(target=self._run, name="edgefinfer-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Fail what is in flight and end the thread (the executor stays open: see `close`)."""
+        if self._thread is None:
+            return
+        self._inbox.put(_STOP)
+        self._thread.join(timeout)
+        self._thread = None
+
+    def close(self) -> None:
+        """Stop, then free the model and its KV memory."""
+        self.stop()
+        self.executor.close()
+
+    def submit(self, request_id: str, prompt_ids: list[int], params: GenerationParams,
+               sink: Callable[[RequestOutput], None]) -> None:
+        """Queue a request; `sink` receives its outputs (on the bound event loop)."""
+        self._inbox.put(Request(request_id, prompt_ids, params, sink))
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    def snapshot(self) -> dict[str, float]:
+        """The engine state as of its last step (published by the engine thread)."""
+        return self._snapshot
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # ------------------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        while True:
+            try:
+                item = self._inbox.get(timeout=None if not self.scheduler.has_work() else 0)
+            except queue.Empty:
+                item = None
+            while item is not None:
+                if item is _STOP:
+                    self._fail_all("the server is shutting down")
+                    return
+                self._command(item)
+                try:
+                    item = self._inbox.get_nowait()
+                except queue.Empty:
+                    item = None
+            if self.scheduler.has_work():
+                self._step()
+            self._publish()
+
+    def _command(self, item: object) -> None:
+        if isinstance(item, Request):
+            try:
+                self.scheduler.add(item)
+            except ValueError as e:  # a duplicate id: refuse this one, keep the other
+                log.error("refused request %s: %s", item.request_id, e)
+                _call_all([(item.sink, RequestOutput(item.request_id, [], True, item.num_prompt, 0, error=str(e)))])
+                return
+            self._requests[item.request_id] = item
+        else:
+            _, request_id = item
+            if self._requests.pop(request_id, None) is not None:
+                self.scheduler.abort(request_id)
+                self.metrics.inc("requests_total", finish_reason="abort")
+
+    def _step(self) -> None:
+        try:
+            plan = self.scheduler.schedule()
+            result = self.executor.execute(plan)
+            outputs, stats = self.scheduler.update(plan, result)
+        except Exception:  # a bug or a device failure: fail what is in flight, keep serving
+            log.exception("engine step failed")
+            self._fail_all("internal error in the engine step; see the server log")
+            return
+        self._record(plan, result.elapsed_s, stats)
+        self._deliver(outputs)
+
+    def _record(self, plan: StepPlan, seconds: float, stats: StepStats) -> None:
+        m = self.metrics
+        if plan.work:
+            m.record_step(seconds, stats.generated, stats.ttft_s, stats.itl_s)
+        if stats.prompt_tokens:
+            m.inc("prompt_tokens_total", stats.prompt_tokens)
+        if stats.generated:
+            m.inc("generation_tokens_total", stats.generated)
+        if stats.preemptions:
+            m.inc("preemptions_total", stats.preemptions)
+        if stats.drafted:
+            m.inc("spec_draft_tokens_total", stats.drafted)
+            m.inc("spec_accepted_tokens_total", stats.accepted)
+            self._spec_totals[0] += stats.drafted
+            self._spec_totals[1] += stats.accepted
+        for reason, n in stats.finished.items():
+            m.inc("requests_total", n, finish_reason=reason)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        batch = []
+        for out in outputs:
+            request = self._requests.get(out.request_id)
+            if request is None:
+                continue  # aborted meanwhile
+            if out.finished:
+                del self._requests[out.request_id]
+            batch.append((request.sink, out))
+        if not batch:
+            return
+        if self._loop is None:
+            _call_all(batch)
+        else:
+            try:
+                self._loop.call_soon_threadsafe(_call_all, batch)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                pass
+
+    def _fail_all(self, message: str) -> None:
+        failed = []
+        for request_id, request in list(self._requests.items()):
+            self.scheduler.abort(request_id)
+            failed.append(RequestOutput(request_id, [], True, request.num_prompt, 0, error=message))
+        self._deliver(failed)
+        self._requests.clear()
+        # What the aborts released must reach the storage even if no step follows.
+        if self.scheduler.has_work():
+            try:
+                self.executor.execute(self.scheduler.schedule())
+            except Exception:
+                log.exception("could not release the KV storage after a failure")
+
+    def _publish(self) -> None:
+        s = self.manager.stats()
+        drafted, accepted = self._spec_totals
+        self._snapshot = {
+            "waiting": self.scheduler.num_waiting, "running": self.scheduler.num_running,
+            "kv_total": s.num_blocks, "kv_used": s.num_used, "kv_free": s.num_free, "kv_cached": s.num_cached,
+            "kv_usage": s.num_used / s.num_blocks, "prefix_hit_rate": s.hit_rate,
+            "spec_acceptance": accepted / drafted if drafted else 0.0, "time": time.time(),
+        }
+
+
+def _call_all(batch: list[tuple[Callable[[RequestOutput], None], RequestOutput]]) -> None:
+    for sink, out in batch:
+        try:
+            sink(out)
+        except Exception:  # one broken consumer must not starve the others
+            log.exception("delivering output of %s failed", out.request_id)

@@ -1,0 +1,209 @@
+"""From `edgefinfer serve MODEL` to an engine: resolve the model input, load the executor and tokenizer.
+
+MODEL is a GGUF file, a bundle folder (its GGUF artefact), a Hugging Face folder, or the name of a
+shipped reference model. The llama.cpp backend runs GGUF; the torch backend runs a HF folder, or a
+GGUF imported into our `Transformer`.
+
+Tokenizer: always ours (`edgefinfer.tokenizer.Tokenizer`). For a GGUF it is rebuilt from the file
+(`gguf_import.tokenizer_from_gguf`, which splits text exactly as llama.cpp does; checked at load
+against llama.cpp's own tokenizer), for a bundle or HF folder it is the folder's tokenizer.json.
+Token ids go to llama.cpp as ids, so both backends see the same tokens for the same text.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from edgefinfer.errors import UserError
+from edgefinfer.server_gpu.engine import Engine, EngineConfig
+from edgefinfer.server_gpu.interface import Executor
+from edgefinfer.server_gpu.scheduler import SchedulerConfig
+from edgefinfer.server_gpu.speculation import SpeculationConfig
+from edgefinfer.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+_CHECK_TEXTS = ("Hello, world! 12345", " The quick brown fox\n\tjumps — naïve café 你好")
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    model: str
+    backend: str | None = None  # llamacpp | torch; default: llamacpp for GGUF, torch for a HF folder
+    max_num_seqs: int = 32
+    max_model_len: int = 2048
+    max_num_batched_tokens: int = 512
+    prefill_chunk: int = 256
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    kv_unified: bool = False
+    kv_cells: int | None = None
+    flash_attn: bool = False
+    kv_dtype: str = "f32"
+    threads: int | None = None
+    gpu_layers: int = 0
+    device: str = "cpu"
+    speculative: str | None = None  # lookup[:NGRAM][,K] | draft:PATH[,K] (as `edgefinfer generate`)
+    adaptive_speculation: bool = True
+    served_model_name: str | None = None
+    preemption: str = "recompute"  # or "swap" (llama.cpp, one stream per sequence)
+    kv_blocks: int | None = None  # cap the KV manager's pool below what the storage holds (forces preemption)
+
+
+@dataclass(frozen=True)
+class _Source:
+    kind: str  # gguf | hf
+    path: Path
+    tokenizer_dir: Path | None  # a folder with tokenizer.json, or None to read the GGUF's
+    eos_ids: tuple[int, ...] | None  # None: read them from the GGUF
+    name: str
+
+
+def build_engine(opts: ServeOptions) -> tuple[Engine, str]:
+    """The engine (not started) and the model name clients must send."""
+    src = _resolve(opts.model)
+    backend = opts.backend or ("llamacpp" if src.kind == "gguf" else "torch")
+    if backend == "llamacpp":
+        executor, tokenizer, eos = _llamacpp(src, opts)
+    elif backend == "torch":
+        executor, tokenizer, eos = _torch(src, opts)
+    else:
+        raise UserError(f"unknown backend {backend!r}: use llamacpp or torch")
+    max_len = executor.max_model_len
+    sched = SchedulerConfig(max_num_seqs=opts.max_num_seqs, max_model_len=max_len,
+                            max_num_batched_tokens=opts.max_num_batched_tokens,
+                            prefill_chunk=min(opts.prefill_chunk, opts.max_num_batched_tokens),
+                            preemption=opts.preemption)
+    speculation = _speculation(opts, src, backend, executor)
+    engine = Engine(executor, tokenizer, eos, EngineConfig(sched, opts.enable_prefix_caching), speculation)
+    return engine, opts.served_model_name or src.name
+
+
+def _resolve(model: str) -> _Source:
+    path = Path(model)
+    if not path.exists():
+        from edgefinfer import reference
+
+        if model in reference.MODELS:
+            return _Source("gguf", reference.gguf_path(model), None, None, model)
+        raise UserError(f"{model} does not exist: give a .gguf file, a bundle or HF folder, or one of "
+                        f"{', '.join(reference.MODELS)}")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise UserError(f"{path} is not a .gguf file; give a GGUF, a bundle folder or a HF folder")
+        return _Source("gguf", path, None, None, path.stem)
+    if (path / "manifest.json").is_file():
+        from edgefinfer.bundle import load_manifest
+
+        manifest = load_manifest(path)
+        art = next((a for a in manifest.artefacts if a.format == "gguf" and a.role == "model"), None)
+        if art is None:
+            raise UserError(f"bundle {path} has no GGUF model; build one with `edgefinfer build --target gpu-server`")
+        eos = manifest.model.get("config", {}).get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (eos,) if eos is not None else None
+        tok_dir = path if (path / "tokenizer.json").is_file() else None
+        return _Source("gguf", path / art.path, tok_dir, eos_ids, manifest.model.get("name") or path.name)
+    if (path / "config.json").is_file():
+        cfg = json.loads((path / "config.json").read_text())
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (eos,) if eos is not None else ()
+        return _Source("hf", path, path, eos_ids, path.name)
+    raise UserError(f"cannot tell what {path} is: expected a .gguf, a bundle (manifest.json) or a HF folder "
+                    f"(config.json)")
+
+
+@functools.lru_cache(maxsize=4)
+def _gguf_tokenizer(path: Path, mtime: float) -> tuple[Tokenizer, tuple[int, ...]]:
+    """The GGUF's tokenizer and EOS ids (reading a GGUF's metadata takes seconds: once per file)."""
+    from edgefinfer.gguf_import import config_from_gguf, open_gguf, tokenizer_from_gguf
+
+    g = open_gguf(path)
+    return tokenizer_from_gguf(g), tuple(config_from_gguf(g).eos_token_ids)
+
+
+def _tokenizer(src: _Source) -> tuple[Tokenizer, tuple[int, ...]]:
+    """The tokenizer and the stop ids (the model's EOS ids and the tokenizer's)."""
+    if src.tokenizer_dir is not None and src.eos_ids is not None:
+        tokenizer, eos = Tokenizer.from_dir(src.tokenizer_dir), src.eos_ids
+    else:
+        tokenizer, eos = _gguf_tokenizer(src.path, src.path.stat().st_mtime)
+        if src.tokenizer_dir is not None:
+            tokenizer = Tokenizer.from_dir(src.tokenizer_dir)
+    return tokenizer, tuple(dict.fromkeys([*eos, *([tokenizer.eos_id] if tokenizer.eos_id is not None else [])]))
+
+
+def _llamacpp(src: _Source, opts: ServeOptions) -> tuple[Executor, Tokenizer, tuple[int, ...]]:
+    from edgefinfer.server_gpu.executor_llamacpp import LlamaCppExecutor, tokenizer_matches
+
+    if src.kind != "gguf":
+        raise UserError(f"the llama.cpp backend runs GGUF files; {src.path} is a HF folder: build a GGUF "
+                        f"(`edgefinfer build --target gpu-server`) or use --backend torch")
+    tokenizer, stop_ids = _tokenizer(src)
+    executor = LlamaCppExecutor(src.path, max_num_seqs=opts.max_num_seqs, max_model_len=opts.max_model_len,
+                                max_batch_tokens=opts.max_num_batched_tokens, block_size=opts.block_size,
+                                kv_unified=opts.kv_unified, kv_cells=opts.kv_cells, flash_attn=opts.flash_attn,
+                                kv_dtype=opts.kv_dtype, threads=opts.threads, gpu_layers=opts.gpu_layers,
+                                num_blocks=opts.kv_blocks)
+    if tokenizer.vocab_size > executor.vocab_size:
+        raise UserError(f"the tokenizer has {tokenizer.vocab_size} tokens but {src.path} only {executor.vocab_size}")
+    if not tokenizer_matches(executor.model, tokenizer, _CHECK_TEXTS):
+        log.warning("the tokenizer of %s splits text differently from llama.cpp's own; outputs stay valid "
+                    "(ids are passed as ids) but may differ from llama.cpp's server", src.path)
+    return executor, tokenizer, stop_ids
+
+
+def _torch(src: _Source, opts: ServeOptions) -> tuple[Executor, Tokenizer, tuple[int, ...]]:
+    import torch
+
+    from edgefinfer.server_gpu.executor_torch import TorchExecutor
+
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    if src.kind == "gguf":
+        from edgefinfer.gguf_import import import_gguf
+
+        model, tokenizer = import_gguf(src.path)
+        if src.tokenizer_dir is not None:
+            tokenizer = Tokenizer.from_dir(src.tokenizer_dir)
+    else:
+        from edgefinfer.checkpoint import load_model
+
+        model, tokenizer = load_model(src.path), Tokenizer.from_dir(src.path)
+    kv_dtype = {"f32": torch.float32, "f16": torch.float16}.get(opts.kv_dtype)
+    if kv_dtype is None:
+        raise UserError(f"unknown KV dtype {opts.kv_dtype!r}: use f32 or f16")
+    executor = TorchExecutor(model, max_num_seqs=opts.max_num_seqs, max_model_len=opts.max_model_len,
+                             block_size=opts.block_size, num_blocks=opts.kv_blocks, device=opts.device,
+                             kv_dtype=kv_dtype)
+    eos = src.eos_ids if src.eos_ids else tuple(model.config.eos_token_ids)
+    stop_ids = tuple(dict.fromkeys([*eos, *([tokenizer.eos_id] if tokenizer.eos_id is not None else [])]))
+    return executor, tokenizer, stop_ids
+
+
+def _speculation(opts: ServeOptions, src: _Source, backend: str, executor: Executor) -> SpeculationConfig | None:
+    if not opts.speculative:
+        return None
+    from edgefinfer.runtime.engine import SpecSpec
+    from edgefinfer.runtime.speculative.proposers import PromptLookupProposer
+
+    spec = SpecSpec.parse(opts.speculative)
+    if spec.kind == "lookup":
+        return SpeculationConfig(lambda seq_id: PromptLookupProposer(max_ngram=spec.ngram), k_max=spec.k,
+                                 adaptive=opts.adaptive_speculation, name=f"lookup:{spec.ngram}")
+    if backend != "llamacpp":
+        raise UserError("a draft model is supported with the llama.cpp backend; with torch use --speculative lookup")
+    from edgefinfer.server_gpu.executor_llamacpp import LlamaDraft
+
+    draft_src = _resolve(spec.path)
+    if draft_src.kind != "gguf":
+        raise UserError(f"the draft model must be a GGUF (or a bundle with one), got {spec.path}")
+    draft = LlamaDraft(draft_src.path, executor.max_num_seqs, executor.max_model_len, opts.threads)
+    if draft.model.vocab_size != executor.vocab_size:
+        raise UserError(f"the draft's vocabulary ({draft.model.vocab_size}) differs from the target's "
+                        f"({executor.vocab_size}); a draft must share the target's tokenizer")
+    return SpeculationConfig(draft.proposer, k_max=spec.k, adaptive=opts.adaptive_speculation,
+                             release=draft.release, name=f"draft:{draft_src.name}")

@@ -1,0 +1,351 @@
+"""The OpenAI-compatible server on the shipped reference model (SmolLM2-135M Q4_1 GGUF, llama.cpp),
+driven by the official `openai` client over real HTTP on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("llama_cpp")
+
+from edgefinfer.server_gpu.api import create_app  # noqa: E402
+from edgefinfer.server_gpu.launch import BackgroundServer  # noqa: E402
+from edgefinfer.server_gpu.loader import ServeOptions, build_engine  # noqa: E402
+from edgefinfer.server_gpu.request import GenerationParams  # noqa: E402
+
+pytestmark = [pytest.mark.reference, pytest.mark.llamacpp]
+
+MODEL = "smollm2-135m"
+PROMPTS = [f"Write one sentence about the number {i}:" for i in range(10)] + [
+    "Once upon a time", "The capital of France is", "def fibonacci(n):", "List three colors:",
+    "Q: What is 2+2?\nA:", "In 1492, Columbus"]
+
+
+@pytest.fixture(scope="module")
+def server():
+    engine, name = build_engine(ServeOptions(MODEL, max_num_seqs=16, max_model_len=512, threads=1))
+    with BackgroundServer(create_app(engine, name)) as srv:
+        srv.engine, srv.name = engine, name
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def metrics(server) -> dict[str, float]:
+    out = {}
+    for line in httpx.get(server.url + "/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            key, value = line.rsplit(" ", 1)
+            out[key] = float(value)
+    return out
+
+
+def wait_idle(server, timeout: float = 15.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(server)
+        idle = (m["edgefinfer_num_requests_running"] == 0 and m["edgefinfer_num_requests_waiting"] == 0
+                and m['edgefinfer_kv_blocks{state="used"}'] == 0)
+        if idle or time.monotonic() > deadline:
+            return m
+        time.sleep(0.05)
+
+
+def test_greedy_output_equals_the_runtime(server, client):
+    from edgefinfer import reference
+    from edgefinfer.runtime.engine import Engine
+
+    runtime = Engine.load(reference.gguf_path(MODEL))
+    prompt, question = "The capital of France is", "Name three colors."
+    expect = runtime.generate(prompt, max_tokens=16)
+    got = client.completions.create(model=server.name, prompt=prompt, max_tokens=16, temperature=0)
+    assert got.choices[0].text == expect.text
+    assert got.usage.completion_tokens == len(expect.token_ids) + (expect.finish_reason == "stop")
+    expect_chat = runtime.generate(question, max_tokens=16, chat=True)
+    chat = client.chat.completions.create(model=server.name, messages=[{"role": "user", "content": question}],
+                                          max_tokens=16, temperature=0)
+    assert chat.choices[0].message.content == expect_chat.text
+    assert chat.choices[0].finish_reason == expect_chat.finish_reason
+
+
+def test_sixteen_concurrent_greedy_requests_equal_each_alone(server, client):
+    ask = dict(model=server.name, max_tokens=16, temperature=0, logprobs=0)
+    alone = [client.completions.create(prompt=p, **ask).choices[0] for p in PROMPTS]
+
+    async def together():
+        aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        rs = await asyncio.gather(*[aclient.completions.create(prompt=p, **ask) for p in PROMPTS])
+        await aclient.close()
+        return [r.choices[0] for r in rs]
+
+    batched = asyncio.run(together())
+    for a, b in zip(alone, batched):
+        assert b.text == a.text
+        assert b.logprobs.tokens == a.logprobs.tokens
+        # One KV stream per sequence: not just the same argmax, the very same logits.
+        assert b.logprobs.token_logprobs == a.logprobs.token_logprobs
+
+
+def test_streaming_chat_and_parallel_choices(server, client):
+    messages = [{"role": "user", "content": "Count from one to five."}]
+    full = client.chat.completions.create(model=server.name, messages=messages, max_tokens=20, temperature=0)
+    chunks = list(client.chat.completions.create(model=server.name, messages=messages, max_tokens=20,
+                                                 temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == full.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
+    assert full.usage.prompt_tokens > 0 and full.usage.completion_tokens > 0
+
+    # n > 1 forks the prompt's KV: greedy choices must all equal the single greedy answer.
+    one = client.completions.create(model=server.name, prompt=PROMPTS[11], max_tokens=12, temperature=0)
+    three = client.completions.create(model=server.name, prompt=PROMPTS[11], max_tokens=12, temperature=0, n=3)
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    assert {c.text for c in three.choices} == {one.choices[0].text}
+    sampled = dict(model=server.name, prompt=PROMPTS[11], max_tokens=12, temperature=1.0, n=2, seed=3)
+    first, again = client.completions.create(**sampled), client.completions.create(**sampled)
+    assert [c.text for c in first.choices] == [c.text for c in again.choices]  # seeded: reproducible
+    streamed = list(client.completions.create(stream=True, **sampled))
+    texts = {0: "", 1: ""}
+    for chunk in streamed:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert [texts[0], texts[1]] == [c.text for c in first.choices]
+    assert wait_idle(server)['edgefinfer_kv_blocks{state="used"}'] == 0
+
+
+def test_logprobs_and_stop_strings(server, client):
+    r = client.completions.create(model=server.name, prompt=PROMPTS[12], max_tokens=8, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 8
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) == 3 and max(top.values()) == logprob and top[token] == logprob  # greedy = top-1
+    assert "".join(lp.tokens) == r.choices[0].text
+
+    text = client.completions.create(model=server.name, prompt=PROMPTS[11], max_tokens=24,
+                                     temperature=0).choices[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    cut = client.completions.create(model=server.name, prompt=PROMPTS[11], max_tokens=24, temperature=0,
+                                    stop=[stop, "never-there"])
+    assert cut.choices[0].text == text[:text.index(stop)] and cut.choices[0].finish_reason == "stop"
+
+
+def test_bad_input_gets_openai_errors_and_the_server_keeps_serving(server, client):
+    url = server.url + "/v1/completions"
+    ok = {"model": server.name, "prompt": "Hi", "max_tokens": 2}
+    cases = [
+        (httpx.post(url, content=b"{not json", headers={"content-type": "application/json"}), 400, None),
+        (httpx.post(url, json={**ok, "max_tokens": "ten"}), 400, "max_tokens"),
+        (httpx.post(url, json={**ok, "temperature": "hot"}), 400, "temperature"),
+        (httpx.post(url, json={**ok, "prompt": 42}), 400, "prompt"),
+        (httpx.post(url, json={**ok, "max_tokens": -1}), 400, "max_tokens"),
+        (httpx.post(url, json={**ok, "max_tokens": 10**12}), 400, "max_tokens"),
+        (httpx.post(url, json={**ok, "n": 0}), 400, "n"),
+        (httpx.post(url, json={**ok, "top_p": 2.0}), 400, None),
+        (httpx.post(url, json={**ok, "stop": ["a", "b", "c", "d", "e"]}), 400, "stop"),
+        (httpx.post(url, json={**ok, "prompt": ""}), 400, "prompt"),
+        (httpx.post(url, json={"prompt": "Hi"}), 400, "model"),
+        (httpx.post(url, json={**ok, "model": "gpt-17"}), 404, "model"),
+        (httpx.post(url, json={**ok, "prompt": "x" * (2 << 20)}), 413, None),
+        (httpx.post(server.url + "/v1/chat/completions", json={"model": server.name, "messages": "hello"}), 400,
+         "messages"),
+        (httpx.post(server.url + "/v1/chat/completions", json={"model": server.name, "messages": []}), 400,
+         "messages"),
+        (httpx.get(server.url + "/v1/nothing"), 404, None),
+        (httpx.get(url), 405, None),
+    ]
+    for response, status, param in cases:
+        assert response.status_code == status, response.text
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["message"]
+        assert error["type"] == "invalid_request_error"
+        if param is not None:
+            assert error["param"] == param, error
+    assert cases[5][0].json()["error"]["code"] == "context_length_exceeded"
+    assert cases[11][0].json()["error"]["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=server.name, prompt="Hi", max_tokens=0)
+    assert client.completions.create(model=server.name, prompt="Hi", max_tokens=2).choices[0].text
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+
+
+def test_models_metrics_and_openapi(server, client):
+    assert [m.id for m in client.models.list().data] == [server.name]
+    response = httpx.get(server.url + "/metrics")
+    assert response.headers["content-type"].startswith("text/plain")
+    m = metrics(server)
+    for name in ("edgefinfer_num_requests_waiting", "edgefinfer_num_requests_running",
+                 'edgefinfer_kv_blocks{state="free"}', 'edgefinfer_kv_blocks{state="cached"}',
+                 "edgefinfer_prefix_cache_hit_rate", "edgefinfer_generation_tokens_per_second",
+                 "edgefinfer_time_to_first_token_seconds_count", "edgefinfer_inter_token_latency_seconds_count"):
+        assert name in m
+    assert m["edgefinfer_time_to_first_token_seconds_count"] > 0
+    paths = httpx.get(server.url + "/openapi.json").json()["paths"]
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models"} <= set(paths)
+
+
+def test_client_disconnect_aborts_and_frees_blocks(server):
+    before = metrics(server).get('edgefinfer_requests_total{finish_reason="abort"}', 0)
+    body = {"model": server.name, "prompt": PROMPTS[0], "max_tokens": 400, "temperature": 0,
+            "ignore_eos": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}) as r:
+        for _ in zip(range(3), r.iter_lines()):
+            pass  # read a little, then hang up mid-stream
+    with pytest.raises(httpx.ReadTimeout):  # a non-streaming client that gives up
+        httpx.post(server.url + "/v1/completions", json=body, timeout=1.0)
+    m = wait_idle(server)
+    assert m['edgefinfer_kv_blocks{state="used"}'] == 0 and m["edgefinfer_num_requests_running"] == 0
+    assert m['edgefinfer_requests_total{finish_reason="abort"}'] == before + 2
+
+
+def test_prefix_sharing_between_live_sequences_is_exact():
+    # A shares 32 prompt tokens (two 16-token chunks) with B while both run: B copies them from A's
+    # KV stream (seq_cp of the stream, then seq_rm) and must still answer exactly as alone.
+    engine, _ = build_engine(ServeOptions(MODEL, max_num_seqs=4, max_model_len=256, threads=1, prefill_chunk=16,
+                                          max_num_batched_tokens=64))
+    tok = engine.tokenizer
+    prefix = tok.encode("The history of the printing press is long and full of surprises. " * 3)[:40]
+    a, b = prefix + tok.encode(" First,"), prefix + tok.encode(" In short,")
+
+    def run(prompts, params):
+        outs = {i: [] for i in range(len(prompts))}
+        done = threading.Semaphore(0)
+        for i, p in enumerate(prompts):
+            def sink(out, i=i):
+                outs[i].extend(t for d in out.deltas for t in d.token_ids)
+                if out.finished:
+                    done.release()
+            engine.submit(f"r{time.monotonic_ns()}-{i}", p, params, sink)
+            time.sleep(0.3 * (i == 0))  # let A compute its prompt first
+        for _ in prompts:
+            assert done.acquire(timeout=120)
+        return outs
+
+    engine.start()
+    try:
+        alone_b = run([b], GenerationParams(max_tokens=12))[0]
+        hits_before = engine.manager.stats().prefix_hits
+        both = run([a, b], GenerationParams(max_tokens=12))
+        assert engine.manager.stats().prefix_hits - hits_before >= 32
+        assert both[1] == alone_b
+    finally:
+        engine.stop()
+        engine.executor.close()
+
+
+def test_swap_preemption_restores_sequences_exactly():
+    # 8 blocks of 16 tokens hold two of these four sequences (3 blocks each): the scheduler must
+    # preempt; swapped out and back (llama_state_seq_get/set_data), every answer stays exactly alone's.
+    engine, _ = build_engine(ServeOptions(MODEL, max_num_seqs=4, max_model_len=128, threads=1, kv_blocks=8,
+                                          preemption="swap"))
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS[:4]]
+    params = GenerationParams(max_tokens=30, ignore_eos=True)
+
+    def run(batch):
+        outs, done = {}, threading.Semaphore(0)
+        for i in batch:
+            def sink(out, i=i):
+                outs.setdefault(i, []).extend(t for d in out.deltas for t in d.token_ids)
+                if out.finished:
+                    done.release()
+            engine.submit(f"s{time.monotonic_ns()}-{i}", prompts[i], params, sink)
+        for _ in batch:
+            assert done.acquire(timeout=120)
+        return outs
+
+    engine.start()
+    try:
+        alone = {i: run([i])[i] for i in range(4)}
+        assert ("preemptions_total", ()) not in engine.metrics.counters
+        assert run(range(4)) == alone
+        assert engine.metrics.counters[("preemptions_total", ())] > 0
+        assert engine.executor.storage.num_swapped == 0
+    finally:
+        engine.stop()
+        engine.executor.close()
+
+
+def test_unified_kv_pool_shares_prefix_cells_and_frees_everything():
+    # --kv-unified: one cell pool; a prefix hit shares cells (seq_cp of a range), n > 1 forks share the
+    # prompt. Not batch-invariant, so only completion and clean-up are asserted here.
+    engine, _ = build_engine(ServeOptions(MODEL, max_num_seqs=4, max_model_len=256, threads=1, kv_unified=True,
+                                          kv_cells=1024, prefill_chunk=16, max_num_batched_tokens=64))
+    tok = engine.tokenizer
+    prefix = tok.encode("A long shared preamble about lighthouses and the sea. " * 3)[:40]
+    done, finishes = threading.Semaphore(0), []
+
+    def sink(out):
+        finishes.extend(d.finish_reason for d in out.deltas if d.finish_reason)
+        if out.finished:
+            done.release()
+
+    engine.start()
+    try:
+        engine.submit("u0", prefix + tok.encode(" One"), GenerationParams(max_tokens=24, ignore_eos=True), sink)
+        time.sleep(0.5)
+        engine.submit("u1", prefix + tok.encode(" Two"), GenerationParams(max_tokens=8, n=2, ignore_eos=True), sink)
+        assert done.acquire(timeout=120) and done.acquire(timeout=120)
+        assert finishes == ["length"] * 3
+        assert engine.manager.stats().prefix_hits >= 32
+        deadline = time.monotonic() + 10
+        while (engine.snapshot()["kv_used"] or engine.executor.storage.num_used_slots) and time.monotonic() < deadline:
+            time.sleep(0.02)  # the storage follows the manager's frees on the engine's next pass
+        assert engine.snapshot()["kv_used"] == 0 and engine.executor.storage.num_used_slots == 0
+    finally:
+        engine.stop()
+        engine.executor.close()
+
+
+def test_draft_model_speculation_verifies_in_the_batch():
+    # The model as its own draft (its own llama context, one slot per sequence): most drafts are accepted,
+    # and rejected tails are rolled back on both sides.
+    from edgefinfer import reference
+
+    gguf = reference.gguf_path(MODEL)
+    engine, _ = build_engine(ServeOptions(MODEL, max_num_seqs=2, max_model_len=256, threads=1,
+                                          speculative=f"draft:{gguf},3", adaptive_speculation=False))
+    done, tokens = threading.Semaphore(0), {0: [], 1: []}
+    engine.start()
+    try:
+        for i, prompt in enumerate(PROMPTS[11:13]):
+            def sink(out, i=i):
+                tokens[i].extend(t for d in out.deltas for t in d.token_ids)
+                if out.finished:
+                    done.release()
+            engine.submit(f"d{i}", engine.tokenizer.encode(prompt), GenerationParams(max_tokens=20, ignore_eos=True),
+                          sink)
+        assert done.acquire(timeout=120) and done.acquire(timeout=120)
+        assert [len(t) for t in tokens.values()] == [20, 20]
+        drafted = engine.metrics.counters[("spec_draft_tokens_total", ())]
+        assert engine.metrics.counters[("spec_accepted_tokens_total", ())] > 0.5 * drafted > 0
+    finally:
+        engine.stop()
+        engine.executor.close()
+
+
+def test_api_key_is_required_when_set():
+    from edgefinfer.server_gpu.engine import Engine, EngineConfig
+    from edgefinfer.server_gpu.executor_torch import TorchExecutor
+    from edgefinfer.server_gpu.scheduler import SchedulerConfig
+    from tests.helpers import tiny_model, tiny_tokenizer
+
+    engine = Engine(TorchExecutor(tiny_model(), max_num_seqs=2, max_model_len=64, block_size=4), tiny_tokenizer(),
+                    (), EngineConfig(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=16, prefill_chunk=8,
+                                                     max_model_len=64)))
+    with BackgroundServer(create_app(engine, "tiny", api_key="s3cret")) as srv:
+        body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 2}
+        denied = httpx.post(srv.url + "/v1/completions", json=body)
+        assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_api_key"
+        allowed = httpx.post(srv.url + "/v1/completions", json=body, headers={"authorization": "Bearer s3cret"})
+        assert allowed.status_code == 200 and allowed.json()["usage"]["completion_tokens"] == 2
+        assert httpx.get(srv.url + "/health").status_code == 200  # probes need no key
+    assert json.loads(json.dumps(allowed.json()))["object"] == "text_completion"

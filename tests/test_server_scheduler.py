@@ -1,0 +1,275 @@
+"""The continuous-batching engine on the torch executor (tiny random model, no HTTP): every feature
+must return exactly what eager decoding (`edgefinfer.generate.generate_ids`) returns alone."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from edgefinfer.generate import generate_ids
+from edgefinfer.sampling import SamplingParams
+from edgefinfer.server_gpu.engine import Engine, EngineConfig
+from edgefinfer.server_gpu.executor_torch import TorchExecutor
+from edgefinfer.server_gpu.metrics import Histogram, Metrics
+from edgefinfer.server_gpu.request import GenerationParams, Request, RequestOutput, Status
+from edgefinfer.server_gpu.scheduler import SchedulerConfig
+from edgefinfer.server_gpu.speculation import SpeculationConfig, StepCostModel
+from edgefinfer.runtime.speculative.proposers import PromptLookupProposer
+from tests.helpers import tiny_model, tiny_tokenizer
+
+BS = 4
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(seed=1)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tiny_tokenizer()
+
+
+def make_engine(model, tokenizer, num_blocks=None, max_num_seqs=8, chunk=8, budget=24, speculation=None,
+                prefix_caching=True) -> Engine:
+    executor = TorchExecutor(model, max_num_seqs=max_num_seqs, max_model_len=128, block_size=BS,
+                             num_blocks=num_blocks)
+    config = EngineConfig(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                                          prefill_chunk=chunk, max_model_len=128), prefix_caching)
+    return Engine(executor, tokenizer, (), config, speculation)
+
+
+def run(engine: Engine, prompts: list[list[int]], params: GenerationParams, timeout: float = 60.0,
+        on_output=None) -> list[dict[int, list[int]]]:
+    """Submit every prompt at once; per request, the token ids of each choice."""
+    results: list[dict[int, list[int]]] = [{} for _ in prompts]
+    errors: list[str] = []
+    done = threading.Semaphore(0)
+
+    def sink_for(i: int):
+        def sink(out: RequestOutput) -> None:  # runs in the engine thread: record, never raise
+            if out.error:
+                errors.append(out.error)
+            for d in out.deltas:
+                results[i].setdefault(d.index, []).extend(d.token_ids)
+            if on_output is not None:
+                on_output(i, out)
+            if out.finished:
+                done.release()
+        return sink
+
+    for i, p in enumerate(prompts):
+        engine.submit(f"req-{id(results)}-{i}", p, params, sink_for(i))
+    for _ in prompts:
+        assert done.acquire(timeout=timeout), "a request never finished"
+    assert not errors, errors
+    return results
+
+
+def eager(model, prompt: list[int], n: int) -> list[int]:
+    return list(generate_ids(model, prompt, n))
+
+
+def prompts_of(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 96, (n,), generator=g).tolist() for n in lengths]
+
+
+def wait_idle(engine: Engine, timeout: float = 10.0) -> dict:
+    """The engine's published state once nothing runs (the snapshot trails the last step)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        snap = engine.snapshot()
+        if snap["running"] == 0 and snap["waiting"] == 0 and snap["kv_used"] == 0:
+            return snap
+        time.sleep(0.01)
+    return engine.snapshot()
+
+
+def test_concurrent_chunked_prefill_equals_eager(model, tokenizer):
+    # Prompts longer than the chunk (8) and the step budget (24) are split over several steps while
+    # others decode; every sequence must still produce eager decoding's tokens.
+    engine = make_engine(model, tokenizer)
+    engine.start()
+    try:
+        prompts = prompts_of([3, 11, 30, 17, 1, 25])
+        out = run(engine, prompts, GenerationParams(max_tokens=12))
+        for p, r in zip(prompts, out):
+            assert r[0] == eager(model, p, 12)
+        assert wait_idle(engine)["kv_used"] == 0
+    finally:
+        engine.stop()
+
+
+def test_manager_holds_exactly_the_fed_tokens(model, tokenizer):
+    # A 17-token prompt with 8-token chunks ends in a 1-token chunk, which must not pass for a decode
+    # step (that would plan the last prompt token twice and corrupt the prefix-cache hashes).
+    engine = make_engine(model, tokenizer)  # not started: the test drives its scheduler step by step
+    sched, executor = engine.scheduler, engine.executor
+    prompt = prompts_of([17])[0]
+    sched.add(Request("r", prompt, GenerationParams(max_tokens=4), lambda out: None))
+    seq = sched.waiting[0]
+    while sched.has_work():
+        plan = sched.schedule()
+        sched.update(plan, executor.execute(plan))
+        if seq.status is Status.RUNNING:
+            planned = list(sched.manager.token_ids(seq.seq_id))
+            assert planned == seq.tokens[:len(planned)] and len(seq.tokens) - len(planned) in (0, 1)
+    assert seq.tokens[17:] == eager(model, prompt, 4)
+
+
+def test_preemption_by_recompute_keeps_outputs_exact(model, tokenizer):
+    # 14 blocks of 4 tokens hold two of these sequences, not four: the scheduler must preempt
+    # (free and later recompute) and still return eager decoding's tokens.
+    engine = make_engine(model, tokenizer, num_blocks=14, prefix_caching=False)
+    engine.start()
+    try:
+        prompts = prompts_of([9, 10, 11, 12], seed=3)
+        out = run(engine, prompts, GenerationParams(max_tokens=16))
+        for p, r in zip(prompts, out):
+            assert r[0] == eager(model, p, 16)
+        assert engine.metrics.counters[("preemptions_total", ())] > 0
+        assert wait_idle(engine)["kv_used"] == 0
+    finally:
+        engine.stop()
+
+
+def test_prefix_cache_hit_and_parallel_sampling_fork(model, tokenizer):
+    engine = make_engine(model, tokenizer)
+    engine.start()
+    try:
+        prefix = prompts_of([16], seed=5)[0]
+        a, b = prefix + [1, 2, 3], prefix + [4, 5]
+        run(engine, [a], GenerationParams(max_tokens=4))
+        (rb,) = run(engine, [b], GenerationParams(max_tokens=8))  # reuses a's 4 cached full blocks
+        assert rb[0] == eager(model, b, 8)
+        assert engine.manager.stats().prefix_hits >= 16
+        # n = 3 greedy: the two forked choices share the prompt's blocks and must equal choice 0.
+        (rn,) = run(engine, [a], GenerationParams(max_tokens=10, n=3))
+        assert sorted(rn) == [0, 1, 2]
+        assert rn[0] == rn[1] == rn[2] == eager(model, a, 10)
+        # Seeded sampling: reproducible per choice, and the choices are different streams.
+        sampled = GenerationParams(max_tokens=10, n=3, sampling=SamplingParams(temperature=1.0, seed=7))
+        (s1,) = run(engine, [a], sampled)
+        (s2,) = run(engine, [a], sampled)
+        assert s1 == s2 and len({tuple(v) for v in s1.values()}) > 1
+        assert wait_idle(engine)["kv_used"] == 0
+    finally:
+        engine.stop()
+
+
+def test_speculative_prompt_lookup_is_lossless(model, tokenizer):
+    spec = SpeculationConfig(lambda seq_id: PromptLookupProposer(max_ngram=3), k_max=4, adaptive=False)
+    engine = make_engine(model, tokenizer, speculation=spec)
+    engine.start()
+    try:
+        # Repetitive prompts give the lookup something to propose.
+        prompts = [[5, 6, 7, 8] * 5, [9, 10, 11] * 6, prompts_of([12], seed=9)[0]]
+        out = run(engine, prompts, GenerationParams(max_tokens=20))
+        for p, r in zip(prompts, out):
+            assert r[0] == eager(model, p, 20)
+        drafted = engine.metrics.counters[("spec_draft_tokens_total", ())]
+        accepted = engine.metrics.counters[("spec_accepted_tokens_total", ())]
+        assert drafted > 0 and accepted > 0
+        assert wait_idle(engine)["kv_used"] == 0
+    finally:
+        engine.stop()
+
+
+def test_abort_frees_blocks_at_once(model, tokenizer):
+    engine = make_engine(model, tokenizer)
+    engine.start()
+    try:
+        first = threading.Event()
+        results: list[RequestOutput] = []
+
+        def sink(out: RequestOutput) -> None:
+            results.append(out)
+            first.set()
+
+        engine.submit("long", prompts_of([20])[0], GenerationParams(max_tokens=100), sink)
+        assert first.wait(30)
+        engine.abort("long")
+        snap = wait_idle(engine)
+        assert snap["kv_used"] == 0 and snap["running"] == 0
+        assert not results[-1].finished  # it was cut short, never completed
+        assert engine.metrics.counters[("requests_total", (("finish_reason", "abort"),))] == 1
+    finally:
+        engine.stop()
+
+
+def test_stop_string_and_length_finish(model, tokenizer):
+    engine = make_engine(model, tokenizer)
+    engine.start()
+    try:
+        prompt = prompts_of([6], seed=11)[0]
+        ids = eager(model, prompt, 12)
+        full = tokenizer.decode(ids)
+        stop = full[len(full) // 2:len(full) // 2 + 2]
+        deltas: list = []
+        run(engine, [prompt], GenerationParams(max_tokens=12, stop=(stop,)),
+            on_output=lambda i, out: deltas.extend(out.deltas))
+        text = "".join(d.text for d in deltas)
+        assert deltas[-1].finish_reason == "stop"
+        assert text == full[:full.index(stop)]
+        deltas.clear()
+        run(engine, [prompt], GenerationParams(max_tokens=5), on_output=lambda i, out: deltas.extend(out.deltas))
+        assert deltas[-1].finish_reason == "length" and sum(len(d.token_ids) for d in deltas) == 5
+    finally:
+        engine.stop()
+
+
+def test_step_cost_model_turns_speculation_off_under_load():
+    cost = StepCostModel(decay=1.0)
+    for n in (1, 2, 4, 8, 16, 32, 64):
+        cost.observe(n, 0.010 + 0.002 * n)  # a = 10 ms, b = 2 ms per token
+    a, b = cost.fit()
+    assert a == pytest.approx(0.010) and b == pytest.approx(0.002)
+    one, full = cost.cost(1).verify_per_token, cost.cost(32).verify_per_token
+    assert one == pytest.approx(0.002 / 0.012) and full == pytest.approx(0.064 / 0.074)
+    from edgefinfer.runtime.speculative.adaptive import AdaptiveK
+
+    # 50% acceptance pays for one sequence, not for 32.
+    assert AdaptiveK(k_max=4, cost=cost.cost(1), prior_acceptance=0.5).initial().k > 0
+    assert AdaptiveK(k_max=4, cost=cost.cost(32), prior_acceptance=0.5).initial().k == 0
+
+
+def test_prometheus_exposition():
+    hist = Histogram((0.1, 1.0))
+    for x in (0.05, 0.5, 5.0):
+        hist.observe(x)
+    assert hist.lines("h") == ['h_bucket{le="0.1"} 1', 'h_bucket{le="1"} 2', 'h_bucket{le="+Inf"} 3',
+                               "h_sum 5.55", "h_count 3"]
+    m = Metrics(lambda: {"waiting": 2, "kv_used": 3, "kv_free": 5, "kv_total": 8})
+    m.inc("requests_total", finish_reason="stop")
+    m.record_step(0.02, 4, [0.3], [0.01, 0.02])
+    text = m.render()
+    assert "edgefinfer_num_requests_waiting 2\n" in text
+    assert 'edgefinfer_kv_blocks{state="used"} 3\n' in text
+    assert 'edgefinfer_requests_total{finish_reason="stop"} 1\n' in text
+    assert 'edgefinfer_time_to_first_token_seconds_bucket{le="0.5"} 1\n' in text
+    assert "edgefinfer_inter_token_latency_seconds_count 2\n" in text
+    assert "# TYPE edgefinfer_inter_token_latency_seconds histogram\n" in text
+
+
+def test_logprobs_match_log_softmax(model, tokenizer):
+    engine = make_engine(model, tokenizer)
+    engine.start()
+    try:
+        prompt = prompts_of([5], seed=13)[0]
+        got: list = []
+        run(engine, [prompt], GenerationParams(max_tokens=1, logprobs=3),
+            on_output=lambda i, out: got.extend(lp for d in out.deltas for lp in d.logprobs or []))
+        with torch.no_grad():
+            ref = torch.log_softmax(model(torch.tensor([prompt]))[0, -1].double(), -1)
+        (lp,) = got
+        assert lp.token_id == int(ref.argmax()) and lp.logprob == pytest.approx(float(ref.max()), abs=1e-5)
+        assert [t for t, _ in lp.top] == ref.topk(3).indices.tolist()
+        assert np.allclose([v for _, v in lp.top], ref.topk(3).values.numpy(), atol=1e-5)
+    finally:
+        engine.stop()
