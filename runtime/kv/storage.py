@@ -22,8 +22,11 @@ the manager's blocks only do the accounting. Then:
 
     copy_blocks   no-op: writing a new token adds a cell tagged only with the writer, so the shared
                   cells stay intact for the other holders (llama.cpp's tags are the copy-on-write)
-    share_prefix  llama_memory_seq_cp(mem, source, seq, 0, num_tokens): the manager names a live
-                  source sequence that has computed that whole prefix
+    share_prefix  the manager names a live source sequence that has computed that whole prefix.
+                  With a unified KV cache: llama_memory_seq_cp(mem, source, seq, 0, num_tokens).
+                  With one KV stream per sequence (kv_unified=False, what makes batched decoding
+                  equal to decoding alone), llama.cpp copies whole streams only, so: seq_cp(source,
+                  seq, -1, -1), then seq_rm(seq, num_tokens, -1); a partial-range copy aborts there
     fork          llama_memory_seq_cp(mem, parent, child, -1, -1)
     truncate      llama_memory_seq_rm(mem, seq, num_tokens, -1)
     release       llama_memory_seq_rm(mem, seq, -1, -1), and the llama seq id returns to its pool
