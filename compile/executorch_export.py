@@ -1,0 +1,407 @@
+"""Export a Transformer to an ExecuTorch program (.pte) with its KV cache held in the graph.
+
+    meta = export_pte(model, Path("model.pte"), recipe="8da4w", embedding_4bit=True, max_seq_len=512)
+
+Pipeline (each stage is printed with its elapsed time; lowering takes 1-4 minutes per model on 2 cores):
+
+1. quantize  (8da4w / 8da8w)  our RTN quantization (`edgefinfer.compile.quant`), re-packed for torchao
+                              (`et_quant`); an already-quantized model is taken as it is;
+2. export                     torch.export of `ExportableLM`: forward(tokens [1, S], input_pos [1]) ->
+                              logits [1, S, V], S dynamic in 1..max_chunk, the KV cache in mutable
+                              buffers; with `custom_ops` the attention is ExecuTorch's
+                              `llama::update_cache` + `llama::custom_sdpa` (`et_attention`);
+3. lower                      XNNPACK (the dynamically-quantized partitioner first for 8da*w, then
+                              the general one) or Core ML;
+4. to_executorch              memory planning (graph inputs not planned), quantized-op fusion
+                              (`embedding_4bit`), delegate segments outside the flatbuffer.
+
+The program carries the constant methods ExecuTorch's `TextLLMRunner` reads (`get_max_seq_len`,
+`get_max_context_len`, `get_vocab_size`, `get_n_layers`, `get_bos_id`, `get_eos_ids`, `use_kv_cache`,
+`enable_dynamic_shape`, `use_sdpa_with_kv_cache`) and ours (`edgefinfer_*`: cache layout, window,
+sinks, whether every position's logits are returned), so `ExecuTorchBackend` needs no side file.
+
+Caching (`et_cache`): a finished .pte is stored under `$EDGEFINFER_CACHE/executorch/<key>.pte`, the
+key hashing the model's tensors and config, the options, the tool versions and the exporter's
+source; a later export with the same key copies it instead of lowering again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import sys
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Iterator, Literal
+
+import torch
+from torch import nn
+
+from edgefinfer.compile.et_attention import EtRingCache, EtStaticCache, ExportableLM, swap_attention
+from edgefinfer.compile.et_cache import copy_atomic, default_store, export_key, lookup, store_program, write_atomic
+from edgefinfer.compile.et_quant import (QUANTIZED_SCHEMES, SCHEMES, check_xnnpack_layout, is_quantized,
+                                         quantize_for_xnnpack, scheme_of)
+from edgefinfer.compile.vendor_sdks import require_sdk
+from edgefinfer.errors import UserError
+from edgefinfer.model import Transformer
+
+Recipe = Literal["fp32", "fp16", "8da8w", "8da4w"]
+KVLayout = Literal["static", "window"]
+Delegate = Literal["xnnpack", "coreml"]
+Progress = Callable[[str], None]
+
+# Kernel libraries a .pte from this exporter may need registered before it is loaded.
+RUNTIME_KERNEL_MODULES = ("executorch.kernels.quantized", "executorch.extension.llm.custom_ops.custom_ops")
+UNBOUNDED_CONTEXT = 1 << 30  # what a window cache reports as its context (it has none)
+
+
+# ---- public API ----------------------------------------------------------------------------------------
+
+def export_pte(model: Transformer, out_path: str | Path, *, recipe: Recipe = "fp32", group_size: int = 32,
+               embedding_4bit: bool = False, kv: KVLayout = "static", max_seq_len: int | None = None,
+               window: int | None = None, num_sinks: int = 0, lookahead: int | None = None,
+               backend: Delegate = "xnnpack", custom_ops: bool | None = None, all_logits: bool = True,
+               bos_id: int | None = None, eos_ids: list[int] | None = None,
+               progress: bool | Progress = True, cache: bool = True, cache_dir: str | Path | None = None
+               ) -> dict[str, Any]:
+    """Write `model` as an ExecuTorch program at `out_path` and return its metadata (for the manifest).
+
+    recipe        fp32; fp16 (Core ML compute precision only); 8da8w (int8 per-channel weights) or
+                  8da4w (int4 weights in groups of `group_size`), both with int8 dynamic activations.
+                  A model already quantized by `edgefinfer quantize` (8da4w recipes) is exported as is.
+    embedding_4bit  quantize the embedding table to int4 g32 (and a tied output head with it).
+    kv            static: `max_seq_len` slots (default: the model's max_position_embeddings);
+                  window: a ring of `window` + `lookahead` slots (+ `num_sinks` sink slots), for
+                  unbounded streams; a forward then takes at most `lookahead + 1` tokens (default
+                  lookahead = window).
+    custom_ops    ExecuTorch's update_cache / custom_sdpa (default: on for XNNPACK, off for Core ML,
+                  whose delegate cannot take them); off = the model's own attention in plain ops
+                  (static cache only).
+    all_logits    return logits for every new position (speculative verification needs them);
+                  False returns the last position only (what ExecuTorch's runners use).
+    progress      True: stage lines on stderr; or a callable taking one line (called from a helper
+                  thread too, every 30 s of a long stage).
+    cache         reuse / store the program in `cache_dir` (default `$EDGEFINFER_CACHE/executorch`).
+    """
+    say = _progress_fn(progress)
+    opts = resolve_options(model, recipe=recipe, group_size=group_size, embedding_4bit=embedding_4bit, kv=kv,
+                           max_seq_len=max_seq_len, window=window, num_sinks=num_sinks, lookahead=lookahead,
+                           backend=backend, custom_ops=custom_ops, all_logits=all_logits, bos_id=bos_id,
+                           eos_ids=eos_ids)
+    out_path = Path(out_path)
+    t0 = time.perf_counter()
+    stages: dict[str, float] = {}
+
+    with _stage("hash", say, stages):
+        key = export_key(model, opts)
+    store = Path(cache_dir) if cache_dir is not None else default_store()
+    if cache and (hit := lookup(store, key)) is not None:
+        copy_atomic(hit[0], out_path)
+        meta = dict(hit[1], cached=True, original_build_s=hit[1]["build_s"],
+                    build_s=round(time.perf_counter() - t0, 2), path=str(out_path))
+        say(f"[executorch] cache hit {key[:12]}: copied {hit[0]} ({meta['size_bytes'] / 2**20:.1f} MiB)")
+        return meta
+
+    with _stage(f"quantize {opts['scheme']}", say, stages):
+        prepared = _prepare_weights(model, opts)
+    with _stage("export", say, stages):
+        module, example, dynamic = _exportable(prepared, opts)
+        exported = _torch_export(module, example, dynamic, opts)
+    methods = runner_metadata(prepared, opts)
+    with _stage(f"lower ({opts['delegate']})", say, stages):
+        edge = _lower(exported, methods, opts)
+    with _stage("to_executorch", say, stages):
+        program = _to_executorch(edge)
+    with _stage("write", say, stages):
+        write_atomic(out_path, program.buffer)
+
+    meta = {
+        "format": "pte",
+        "backend": "executorch",
+        "delegate": opts["delegate"],
+        "recipe": opts["recipe_name"],
+        "scheme": opts["scheme"],
+        "group_size": opts["group_size"] if opts["scheme"] == "8da4w" else None,
+        "embedding_4bit": opts["embedding_4bit"],
+        "kv": {k: opts[k] for k in ("layout", "max_seq_len", "max_chunk", "window", "num_sinks", "lookahead")},
+        "custom_ops": opts["custom_ops"],
+        "all_logits": opts["all_logits"],
+        "inputs": ["tokens int64 [1, S]", "input_pos int64 [1] (position of tokens[0])"],
+        "outputs": [f"logits float32 [1, {'S' if opts['all_logits'] else '1'}, {model.config.vocab_size}]"],
+        "methods": methods,
+        "kernel_modules": list(RUNTIME_KERNEL_MODULES),
+        "size_bytes": out_path.stat().st_size,
+        "stages_s": {k: round(v, 2) for k, v in stages.items()},
+        "build_s": round(time.perf_counter() - t0, 2),
+        "cache_key": key,
+        "cached": False,
+        "path": str(out_path),
+    }
+    if cache:
+        store_program(store, key, out_path, meta)
+    say(f"[executorch] wrote {out_path} ({meta['size_bytes'] / 2**20:.2f} MiB) in {meta['build_s']:.1f}s")
+    return meta
+
+
+def runner_metadata(model: Transformer, opts: dict[str, Any]) -> dict[str, Any]:
+    """Constant methods stored in the program: ExecuTorch's runner keys and ours (`edgefinfer_*`)."""
+    cfg = model.config
+    static = opts["layout"] == "static"
+    return {
+        # ExecuTorch's LLM runners: max tokens per forward, and positions the cache addresses.
+        "get_max_seq_len": opts["max_chunk"],
+        "get_max_context_len": opts["max_seq_len"] if static else UNBOUNDED_CONTEXT,
+        "get_vocab_size": cfg.vocab_size,
+        "get_n_layers": cfg.num_hidden_layers,
+        "get_bos_id": opts["bos_id"],
+        "get_eos_ids": opts["eos_ids"],
+        "use_kv_cache": True,
+        "enable_dynamic_shape": opts["max_chunk"] > 1,
+        "use_sdpa_with_kv_cache": False,
+        # Ours: what ExecuTorchBackend needs to drive the cache.
+        "edgefinfer_window": opts["window"] or 0,
+        "edgefinfer_num_sinks": opts["num_sinks"],
+        "edgefinfer_lookahead": opts["lookahead"] or 0,
+        "edgefinfer_all_logits": opts["all_logits"],
+        "edgefinfer_format_version": 1,
+    }
+
+
+def pte_delegates(path: str | Path) -> dict[str, Any]:
+    """Structure of a .pte without running it: per method, its delegates' back-end ids and its
+    non-delegated operators (read from the program flatbuffer)."""
+    from executorch.exir._serialize._program import deserialize_pte_binary
+
+    program = deserialize_pte_binary(Path(path).read_bytes()).program
+    out = {}
+    for plan in program.execution_plan:
+        out[plan.name] = {
+            "delegates": [d.id for d in plan.delegates],
+            "operators": sorted({f"{op.name}.{op.overload}" if op.overload else op.name for op in plan.operators}),
+        }
+    return out
+
+
+# ---- options ------------------------------------------------------------------------------------------
+
+def resolve_options(model: Transformer, *, recipe: str = "fp32", group_size: int = 32, embedding_4bit: bool = False,
+                    kv: str = "static", max_seq_len: int | None = None, window: int | None = None,
+                    num_sinks: int = 0, lookahead: int | None = None, backend: str = "xnnpack",
+                    custom_ops: bool | None = None, all_logits: bool = True, bos_id: int | None = None,
+                    eos_ids: list[int] | None = None) -> dict[str, Any]:
+    """Check `export_pte`'s options up front (before minutes of lowering); the normalised options
+    (also the cache key's input). Raises UserError with a one-line reason."""
+    cfg = model.config
+    if recipe not in SCHEMES:
+        raise UserError(f"unknown ExecuTorch recipe {recipe!r}: use one of {', '.join(SCHEMES)}")
+    if backend not in ("xnnpack", "coreml"):
+        raise UserError(f"unknown ExecuTorch back-end {backend!r}: use xnnpack or coreml")
+    require_sdk(backend)
+    if recipe == "fp16" and backend != "coreml":
+        raise UserError("recipe fp16 is Core ML's compute precision; for XNNPACK use fp32, 8da8w or 8da4w")
+    if backend == "coreml" and recipe in QUANTIZED_SCHEMES:
+        raise UserError(f"recipe {recipe} is XNNPACK's integer kernels; Core ML builds use fp16 or fp32")
+    if embedding_4bit and recipe not in QUANTIZED_SCHEMES:
+        raise UserError("embedding_4bit goes with the quantized recipes 8da4w / 8da8w")
+    prequantized = is_quantized(model)
+    if prequantized:
+        check_xnnpack_layout(model)
+        if recipe != scheme_of(model):
+            raise UserError(f"the model is already quantized as {scheme_of(model)}: export it with recipe "
+                            f"{scheme_of(model)!r}, or pass the float model to quantize it as {recipe}")
+    if recipe == "8da4w" and not prequantized and (group_size < 16 or cfg.hidden_size % group_size
+                                                   or cfg.intermediate_size % group_size):
+        raise UserError(f"group size {group_size} does not divide hidden_size {cfg.hidden_size} and "
+                        f"intermediate_size {cfg.intermediate_size}: use 32, 64 or 128 (one that divides both)")
+    custom_ops = backend == "xnnpack" if custom_ops is None else custom_ops
+    if custom_ops and backend == "coreml":
+        raise UserError("Core ML cannot delegate ExecuTorch's custom attention ops: use custom_ops=False")
+    if kv == "static":
+        if window is not None or num_sinks or lookahead is not None:
+            raise UserError("window, num_sinks and lookahead apply to kv='window'; drop them for a static cache")
+        max_seq_len = max_seq_len or cfg.max_position_embeddings
+        if max_seq_len < 2:
+            raise UserError(f"max_seq_len must be at least 2, got {max_seq_len}")
+        # coremltools cannot convert a graph with a symbolic length (placeholders must be tensors), so a
+        # Core ML program takes one token per call; ExecuTorch's runner then prefills token by token.
+        max_chunk = 1 if backend == "coreml" else max_seq_len
+    elif kv == "window":
+        if window is None or window < 1:
+            raise UserError("kv='window' needs window=N >= 1 (the number of recent positions kept)")
+        if max_seq_len is not None:
+            raise UserError("max_seq_len applies to kv='static'; a window cache has no length limit")
+        if num_sinks < 0:
+            raise UserError(f"num_sinks must be >= 0, got {num_sinks}")
+        if backend == "coreml":
+            raise UserError("the Core ML build supports kv='static' only (its graph has a fixed length)")
+        if custom_ops is False:
+            raise UserError("kv='window' is exported with ExecuTorch's custom ops only: drop custom_ops=False")
+        lookahead = window if lookahead is None else lookahead
+        if lookahead < 1:
+            raise UserError(f"lookahead must be >= 1 (a forward takes at most lookahead + 1 tokens), got {lookahead}")
+        max_chunk = lookahead + 1
+    else:
+        raise UserError(f"unknown kv layout {kv!r}: use 'static' or 'window'")
+    bos = bos_id if bos_id is not None else cfg.bos_token_id
+    eos = list(eos_ids) if eos_ids is not None else cfg.eos_token_ids
+    return {
+        "scheme": recipe,
+        "recipe_name": _recipe_name(recipe, group_size, embedding_4bit, prequantized),
+        "group_size": group_size,
+        "embedding_4bit": embedding_4bit,
+        "prequantized": prequantized,
+        "layout": kv,
+        "max_seq_len": max_seq_len,
+        "max_chunk": max_chunk,
+        "window": window,
+        "num_sinks": num_sinks,
+        "lookahead": lookahead,
+        "delegate": backend,
+        "custom_ops": custom_ops,
+        "all_logits": all_logits,
+        "bos_id": -1 if bos is None else int(bos),
+        "eos_ids": [int(e) for e in eos],
+    }
+
+
+def _recipe_name(recipe: str, group_size: int, embedding_4bit: bool, prequantized: bool) -> str:
+    if prequantized:
+        return f"{recipe} (pre-quantized)"
+    name = f"8da4w-g{group_size}" if recipe == "8da4w" else recipe
+    return name + ("-emb4" if embedding_4bit else "")
+
+
+# ---- stages -------------------------------------------------------------------------------------------
+
+def _prepare_weights(model: Transformer, opts: dict[str, Any]) -> Transformer:
+    """A float32 eval copy of the model, quantized for XNNPACK when the recipe asks (our own modules)."""
+    if opts["prequantized"]:
+        return copy.deepcopy(model).float().eval()  # float scales hold the same (fp16) values
+    if opts["scheme"] in QUANTIZED_SCHEMES:
+        return quantize_for_xnnpack(model, opts["scheme"], opts["group_size"], opts["embedding_4bit"])
+    return copy.deepcopy(model).float().eval()
+
+
+def _exportable(model: Transformer, opts: dict[str, Any]) -> tuple[nn.Module, tuple, tuple]:
+    """The module torch.export sees, an example input and the dynamic shapes."""
+    from edgefinfer.compile.quant import torchao_model
+
+    if opts["scheme"] in QUANTIZED_SCHEMES:
+        model = torchao_model(model)  # QuantLinear -> nn.Linear holding the same codes as a torchao tensor
+    cfg = model.config
+    if opts["custom_ops"]:
+        cache: nn.Module = (EtStaticCache(cfg, opts["max_seq_len"]) if opts["layout"] == "static" else
+                            EtRingCache(cfg, opts["window"], opts["num_sinks"], opts["lookahead"]))
+        model = swap_attention(model)
+    else:
+        from edgefinfer.cache import StaticCache
+
+        cache = StaticCache(cfg, 1, opts["max_seq_len"], trim=False)  # the window needs custom ops
+    module = ExportableLM(model, cache, opts["all_logits"]).eval()
+    n = min(2, opts["max_chunk"])
+    example = (torch.zeros(1, n, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+    seq = torch.export.Dim("seq", min=1, max=opts["max_chunk"]) if opts["max_chunk"] > 1 else None
+    dynamic = ({1: seq} if seq is not None else None, None)
+    return module, example, dynamic
+
+
+def _torch_export(module: nn.Module, example: tuple, dynamic: tuple, opts: dict[str, Any]):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    # MATH: the decomposition ExecuTorch can lower (the plain-op path); no_grad: no training ops.
+    with torch.no_grad(), sdpa_kernel([SDPBackend.MATH]):
+        ep = torch.export.export(module, example, dynamic_shapes=dynamic, strict=False)
+        # Functionalise, and decompose torchao's tensor subclasses into quantize/dequantize ops.
+        return ep.run_decompositions({})
+
+
+def _partitioners(opts: dict[str, Any]) -> list:
+    if opts["delegate"] == "coreml":
+        import coremltools as ct
+        from executorch.backends.apple.coreml.compiler import CoreMLBackend
+        from executorch.backends.apple.coreml.partition import CoreMLPartitioner
+
+        precision = ct.precision.FLOAT16 if opts["scheme"] == "fp16" else ct.precision.FLOAT32
+        specs = CoreMLBackend.generate_compile_specs(
+            minimum_deployment_target=ct.target.iOS18, compute_precision=precision,
+            compute_unit=ct.ComputeUnit.ALL, model_type=CoreMLBackend.MODEL_TYPE.MODEL)
+        # The OSS Core ML runtime does not hold state: the KV-cache buffers stay with ExecuTorch.
+        return [CoreMLPartitioner(compile_specs=specs, take_over_mutable_buffer=False)]
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import (XnnpackDynamicallyQuantizedPartitioner,
+                                                                           XnnpackPartitioner)
+
+    if opts["scheme"] in QUANTIZED_SCHEMES:
+        # Dynamically quantized linears first, so the general partitioner cannot split them.
+        return [XnnpackDynamicallyQuantizedPartitioner(), XnnpackPartitioner()]
+    return [XnnpackPartitioner()]
+
+
+def _lower(exported, methods: dict[str, Any], opts: dict[str, Any]):
+    from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
+
+    return to_edge_transform_and_lower(
+        exported, partitioner=_partitioners(opts),
+        # The custom ops and torchao's quantize ops are not core ATen; the checks would refuse them.
+        compile_config=EdgeCompileConfig(_check_ir_validity=False),
+        constant_methods=methods)
+
+
+def _to_executorch(edge):
+    from executorch.backends.xnnpack._passes.convert_to_linear import ConvertToLinearPass
+    from executorch.exir import ExecutorchBackendConfig
+    from executorch.exir.passes import MemoryPlanningPass
+    from executorch.exir.passes.init_mutable_pass import InitializedMutableBufferPass
+    from executorch.exir.passes.sym_shape_eval_pass import ConstraintBasedSymShapeEvalPass
+
+    # Linears left outside a delegate run as ExecuTorch's optimized linear, not transpose + mm.
+    edge = edge.transform([ConvertToLinearPass()])
+    return edge.to_executorch(ExecutorchBackendConfig(
+        # Mutable buffers start uninitialised unless marked; the ring's slot positions must start at -1
+        # (empty). The K/V buffers need no initial value: empty slots are masked.
+        passes=[InitializedMutableBufferPass(["slot_pos"])],
+        extract_delegate_segments=True,
+        do_quant_fusion_and_const_prop=True,  # dequantize + embedding -> quantized_decomposed::embedding_4bit
+        memory_planning_pass=MemoryPlanningPass(alloc_graph_input=False),  # inputs come from the caller
+        sym_shape_eval_pass=ConstraintBasedSymShapeEvalPass(),  # plan memory for the upper bound of S
+    ))
+
+
+# ---- progress, files, cache ---------------------------------------------------------------------------
+
+def _progress_fn(progress: bool | Progress) -> Progress:
+    if callable(progress):
+        return progress
+    if progress:
+        return lambda msg: print(msg, file=sys.stderr, flush=True)
+    return lambda _msg: None
+
+
+@contextlib.contextmanager
+def _stage(name: str, say: Progress, times: dict[str, float], beat_s: float = 30.0) -> Iterator[None]:
+    """Time a stage and report it; a long stage (lowering a real model takes minutes) also reports its
+    elapsed time every `beat_s` seconds, from a helper thread."""
+    t = time.perf_counter()
+    total = sum(times.values())
+    say(f"[executorch] {name} ...")
+    stop = threading.Event()
+
+    def heartbeat() -> None:
+        while not stop.wait(beat_s):
+            say(f"[executorch] {name} ... {time.perf_counter() - t:.0f}s")
+
+    beat = threading.Thread(target=heartbeat, name="pte-progress", daemon=True)
+    beat.start()
+    try:
+        with warnings.catch_warnings():
+            # torch/executorch deprecation chatter (_check_is_size, LeafSpec) and the emitter's note that
+            # mutable buffers are uninitialised (intended, see _to_executorch) would bury the progress lines.
+            warnings.simplefilter("ignore", FutureWarning)
+            warnings.filterwarnings("ignore", message="Mutation on a buffer")
+            yield
+    finally:
+        stop.set()
+        beat.join()
+    times[name] = time.perf_counter() - t
+    say(f"[executorch] {name} done in {times[name]:.1f}s (total {total + times[name]:.1f}s)")

@@ -1,0 +1,138 @@
+"""Run an edgefinfer .pte with ExecuTorch's Python runtime (the same C++ runtime phones link).
+
+The program holds its KV cache in mutable buffers that persist between calls, so a backend is one
+sequence. The cache layout and limits are read from the program's own constant methods
+(`edgefinfer.compile.executorch_export` writes them): no side file is needed.
+
+Rollback and reset are positional and cost nothing: a forward at `start_pos` hides every cached
+entry at a position >= start_pos (causality in the static cache; the ring cache marks those slots
+empty before writing), so starting again at 0 is a reset and starting at the first rejected
+speculative position is a rollback. Reloading the method is never needed.
+
+Loading: `Runtime.load_program(path)` maps the file (ExecuTorch's MmapDataLoader; constant weights
+are read from the mapping, not copied, except what a delegate repacks at init, e.g. XNNPACK's
+weight packing). Kernel libraries are registered before loading: `executorch.kernels.quantized`
+(`quantized_decomposed::embedding_4bit`, ...) and the LLM custom ops (`llama::update_cache`,
+`llama::custom_sdpa`); without them loading fails with "Missing operator".
+
+This module must not import `edgefinfer.compile` (a phone has no exporter).
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from edgefinfer.errors import UserError
+
+KERNEL_MODULES = ("executorch.kernels.quantized", "executorch.extension.llm.custom_ops.custom_ops")
+UNBOUNDED = 1 << 30
+
+
+def register_kernels() -> None:
+    """Import the kernel libraries an edgefinfer .pte may use (idempotent)."""
+    for name in KERNEL_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            raise UserError(f"ExecuTorch is not installed or incomplete ({name}: {e}); "
+                            "pip install executorch==1.5.1") from None
+
+
+def set_threads(threads: int) -> None:
+    """Size ExecuTorch's (process-wide) thread pool, used by XNNPACK and the custom ops."""
+    from executorch.extension.pybindings.portable_lib import _unsafe_reset_threadpool
+
+    _unsafe_reset_threadpool(int(threads))
+
+
+class ExecuTorchBackend:
+    name = "executorch"
+
+    def __init__(self, pte_path: str | Path, threads: int | None = None):
+        path = Path(pte_path)
+        if not path.is_file():
+            raise UserError(f"ExecuTorch program {path} does not exist (export one with `edgefinfer build`)")
+        register_kernels()
+        from executorch.runtime import Runtime
+
+        if threads is not None:
+            set_threads(threads)
+        runtime = Runtime.get()
+        try:
+            self._program = runtime.load_program(path)
+        except (RuntimeError, ValueError) as e:
+            raise UserError(f"{path} is not a loadable ExecuTorch program ({e}); re-export it") from None
+        self.path = path
+        self.methods = {n: self._constant(n) for n in self._program.method_names if n != "forward"}
+        if "get_vocab_size" not in self.methods or "get_max_seq_len" not in self.methods:
+            raise UserError(f"{path} lacks the LLM metadata methods (get_vocab_size, get_max_seq_len): "
+                            "it was not exported by edgefinfer or ExecuTorch's LLM exporter")
+        try:
+            self._forward = self._program.load_method("forward")
+        except RuntimeError as e:
+            # Typically a delegate this runtime lacks (a Core ML program on Linux); the reason is in
+            # ExecuTorch's log line ("Backend CoreMLBackend is not registered").
+            have = ", ".join(runtime.backend_registry.registered_backend_names)
+            raise UserError(f"cannot load {path.name}: its forward method needs a delegate or kernel this "
+                            f"ExecuTorch runtime lacks (it has {have}); Core ML programs run on Apple devices "
+                            f"only ({e})") from None
+        self.vocab_size = int(self.methods["get_vocab_size"])
+        self.max_chunk = int(self.methods["get_max_seq_len"])  # tokens per call (the graph's bound)
+        window = int(self.methods.get("edgefinfer_window", 0))
+        self.window = window or None
+        self.num_sinks = int(self.methods.get("edgefinfer_num_sinks", 0))
+        self.lookahead = int(self.methods.get("edgefinfer_lookahead", 0)) or None
+        self.max_seq_len = UNBOUNDED if self.window else int(self.methods.get("get_max_context_len", self.max_chunk))
+        self.all_logits = bool(self.methods.get("edgefinfer_all_logits", False))
+        eos = self.methods.get("get_eos_ids", [])
+        self.eos_ids = [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+        bos = int(self.methods.get("get_bos_id", -1))
+        self.bos_id = bos if bos >= 0 else None
+
+    def _constant(self, name: str):
+        out = self._program.load_method(name).execute([])
+        value = out[0] if len(out) == 1 else list(out)
+        return value.tolist() if isinstance(value, torch.Tensor) else value
+
+    def _run(self, tokens: Sequence[int], start_pos: int) -> torch.Tensor:
+        """One call: at most max_chunk tokens -> logits [S or 1, V]."""
+        ids = torch.tensor([list(tokens)], dtype=torch.long)
+        pos = torch.tensor([start_pos], dtype=torch.long)
+        return self._forward.execute([ids, pos])[0][0]
+
+    def _chunks(self, tokens: Sequence[int], start_pos: int) -> list[tuple[Sequence[int], int]]:
+        n = len(tokens)
+        if n == 0:
+            raise ValueError("forward needs at least one token")
+        if start_pos < 0:
+            raise ValueError(f"start_pos must be >= 0, got {start_pos}")
+        if start_pos + n > self.max_seq_len:
+            raise UserError(f"the sequence would reach {start_pos + n} tokens but {self.path.name} holds "
+                            f"{self.max_seq_len}; export with a larger max_seq_len or a window cache")
+        return [(tokens[i:i + self.max_chunk], start_pos + i) for i in range(0, n, self.max_chunk)]
+
+    def forward(self, tokens: Sequence[int], start_pos: int) -> np.ndarray:
+        """Logits float32 [len(tokens), vocab]; prompts longer than max_chunk are fed in pieces."""
+        if not self.all_logits and len(tokens) > 1:
+            raise UserError(f"{self.path.name} returns the last position's logits only (exported with "
+                            "all_logits=False); use forward_last, or re-export with all_logits=True")
+        rows = [self._run(chunk, pos) for chunk, pos in self._chunks(tokens, start_pos)]
+        return torch.cat(rows).float().numpy()
+
+    def forward_last(self, tokens: Sequence[int], start_pos: int) -> np.ndarray:
+        """Logits float32 [vocab] of the last token only (a prefill that does not need the others)."""
+        last = None
+        for chunk, pos in self._chunks(tokens, start_pos):
+            last = self._run(chunk, pos)
+        return last[-1].float().numpy()
+
+    def rollback(self, length: int) -> None:
+        pass  # positional: the next forward at `length` hides everything at positions >= length
+
+    def reset(self) -> None:
+        pass  # positional: a forward at position 0 hides the whole previous sequence
