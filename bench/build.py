@@ -22,8 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, print_table, versions, write_results  # noqa: E402
 
 PLAN = [  # (target, recipe)
-    ("android", "8da4w-g32-emb4"),
-    ("android", "8da4w-g128-emb4"),
+    ("android", "8da4w-g32-emb4"),  # lowering SmolLM2 takes 6-11 minutes on 2 cores: one android row
     ("linux-x86_64", "int4-g32"),
     ("linux-x86_64", "int8"),
     ("gpu-server", "int8-g32-emb8"),
