@@ -111,7 +111,7 @@ def _sampling_options(f):
         click.option("--seed", type=int, default=None),
         click.option("--stop", multiple=True, help="Stop string (repeatable)."),
         click.option("--stream/--no-stream", default=True, show_default=True),
-        click.option("--kv", default=None, help="KV cache: static (default) | window:N[,sinks:S]."),
+        click.option("--kv", default=None, help="KV cache: static (default) | window:N[,sinks:S] | paged:BLOCK."),
         click.option("--speculative", default=None, help="draft:PATH[,K] | lookup[:NGRAM][,K]."),
         click.option("--threads", type=int, default=None, help="Intra-op threads."),
     ]):

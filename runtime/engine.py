@@ -30,7 +30,7 @@ from edgefinfer.tokenizer import Tokenizer
 
 @dataclass(frozen=True)
 class KVSpec:
-    """`--kv` option: static (default) | window:N[,sinks:S] | paged:BLOCK (paged: see the server)."""
+    """`--kv` option: static (default) | window:N[,sinks:S] | paged:BLOCK (the shared paged-KV manager)."""
 
     kind: str = "static"
     window: int | None = None
@@ -99,9 +99,6 @@ def open_backend(path: str | Path, kind: str | None = None, kv: KVSpec = KVSpec(
     path = Path(path)
     if not path.exists():
         raise UserError(f"{path} does not exist (give a bundle folder, .pte, .onnx, .gguf or HF folder)")
-    if kv.kind == "paged":
-        raise UserError("--kv paged is for several concurrent sequences: use `edgefinfer serve`; "
-                        "a single stream uses static or window:N")
     window = kv.window if kv.kind == "window" else None
     if path.is_dir() and (path / "manifest.json").is_file():
         manifest = load_manifest(path)
@@ -111,11 +108,11 @@ def open_backend(path: str | Path, kind: str | None = None, kv: KVSpec = KVSpec(
         kv_meta = art.meta.get("kv", {})
         if kv_meta.get("kind") == "window":
             window = kv_meta.get("window")
-        backend = _open(path / art.path, art.backend, window, kv.sinks, threads, max_seq_len)
+        backend = _open(path / art.path, art.backend, window, kv.sinks, threads, max_seq_len, kv.block_size)
         eos = _eos_ids(manifest.model.get("config", {}))
         return backend, Tokenizer.from_dir(path), {"bundle": manifest.target, "artefact": art.path, "eos_ids": eos}
     backend_kind = kind or _guess_backend(path)
-    backend = _open(path, backend_kind, window, kv.sinks, threads, max_seq_len)
+    backend = _open(path, backend_kind, window, kv.sinks, threads, max_seq_len, kv.block_size)
     folder = path if path.is_dir() else path.parent
     cfg = json.loads((folder / "config.json").read_text()) if (folder / "config.json").is_file() else {}
     return backend, _tokenizer_for(path, backend_kind), {"artefact": str(path), "eos_ids": _eos_ids(cfg)}
@@ -134,7 +131,9 @@ def _guess_backend(path: Path) -> str:
 
 
 def _open(path: Path, kind: str | None, window: int | None, sinks: int, threads: int | None,
-          max_seq_len: int | None) -> Backend:
+          max_seq_len: int | None, block_size: int | None = None) -> Backend:
+    if block_size is not None and kind != "torch":
+        raise UserError(f"--kv paged runs on the torch backend (and in `edgefinfer serve`), not on {kind}")
     if kind == "torch":
         from edgefinfer.checkpoint import load_model
         from edgefinfer.runtime.backends.torch_eager import TorchBackend
@@ -143,6 +142,10 @@ def _open(path: Path, kind: str | None, window: int | None, sinks: int, threads:
             import torch
 
             torch.set_num_threads(threads)
+        if block_size is not None:
+            from edgefinfer.runtime.backends.torch_paged import PagedTorchBackend
+
+            return PagedTorchBackend(load_model(path), block_size, max_seq_len)
         return TorchBackend(load_model(path), max_seq_len=max_seq_len, window=window, num_sinks=sinks)
     if kind == "llamacpp":
         from edgefinfer.runtime.backends.llamacpp import LlamaCppBackend

@@ -38,7 +38,7 @@ def test_engine_equals_core_generator(folders):
     assert got.stats.generated_tokens == 40 and got.stats.peak_rss_mb > 0
 
 
-@pytest.mark.parametrize("kv", ["static", "window:16", "window:16,sinks:4"])
+@pytest.mark.parametrize("kv", ["static", "window:16", "window:16,sinks:4", "paged:4"])
 @pytest.mark.parametrize("spec", ["lookup:2,4", "draft:{root}/draft,3", "draft:{root}/target,5"])
 def test_greedy_speculative_decoding_is_exact(folders, kv, spec):
     root, _, _ = folders
@@ -50,6 +50,16 @@ def test_greedy_speculative_decoding_is_exact(folders, kv, spec):
     assert stats.proposed > 0
     if "target" in spec:  # the target drafting for itself: every draft is accepted
         assert stats.accepted == stats.proposed
+
+
+def test_paged_cache_equals_static_and_reuses_the_prompt_blocks(folders):
+    root, _, _ = folders
+    static = Engine.load(root / "target").generate(PROMPT, max_tokens=30)
+    engine = Engine.load(root / "target", kv="paged:4")
+    first = engine.generate(PROMPT, max_tokens=30)
+    again = engine.generate(PROMPT, max_tokens=30)  # the freed prompt blocks are served from the prefix cache
+    assert first.token_ids == static.token_ids == again.token_ids
+    assert engine.backend.manager.stats().prefix_hits > 0
 
 
 def test_window_cache_streams_past_the_context(folders):
@@ -101,8 +111,8 @@ def test_bad_options_and_paths(folders, tmp_path):
             SpecSpec.parse(bad)
     with pytest.raises(UserError, match="does not exist"):
         Engine.load(tmp_path / "nothing")
-    with pytest.raises(UserError, match="use `edgefinfer serve`"):
-        Engine.load(root / "target", kv="paged:16")
+    with pytest.raises(UserError, match="--kv paged runs on the torch backend"):
+        Engine.load(root / "target", kv="paged:16", backend="llamacpp")
     with pytest.raises(UserError, match="repetition_penalty"):
         Engine.load(root / "target", speculative="lookup").generate(
             PROMPT, max_tokens=4, params=SamplingParams(repetition_penalty=1.2))
