@@ -11,7 +11,7 @@ import sys
 
 import click
 
-from edgefinfer.errors import UserError
+from edgefinfer.errors import UserError, run_command
 
 
 def _pairs(text: str | None) -> tuple[tuple[int, int], ...]:
@@ -116,15 +116,7 @@ def distill(teacher: str, out: str, params: str, layers: int | None, kv_heads: i
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m edgefinfer.distill ...` (what torchrun launches): one-line errors, exit code 2."""
-    try:
-        distill.main(args=argv, prog_name="edgefinfer distill", standalone_mode=False)
-    except UserError as e:
-        click.echo(f"error: {e}", err=True)
-        return 2
-    except click.ClickException as e:
-        click.echo(f"error: {e.format_message()}", err=True)
-        return 2
-    return 0
+    return run_command(distill, argv, prog_name="edgefinfer distill")
 
 
 if __name__ == "__main__":

@@ -77,7 +77,6 @@ def build(opts: BuildOptions) -> Path:
     target.check()  # a missing SDK fails here, before any work
     if opts.draft is not None and not Path(opts.draft).is_dir():
         raise UserError(f"draft model folder {opts.draft} does not exist")
-    from edgefinfer.checkpoint import load_model
     from edgefinfer.tokenizer import Tokenizer
 
     out = Path(opts.out) if opts.out else default_out(target.name)

@@ -124,14 +124,19 @@ def save_model(model: Transformer, path: str | Path, tokenizer_dir: str | Path |
     with atomic_dir(dest) as tmp:
         (tmp / "config.json").write_text(json.dumps(config.to_hf(), indent=2) + "\n")
         _write_weights(state, tmp, max_shard_bytes)
-        if tokenizer_dir is not None:
-            for name in TOKENIZER_FILES:
-                src = Path(tokenizer_dir) / name
-                if src.is_file():
-                    shutil.copyfile(src, tmp / name)
-        for name, text in (extra_files or {}).items():
-            (tmp / name).write_text(text)
+        write_side_files(tmp, tokenizer_dir, extra_files)
     return dest
+
+
+def write_side_files(folder: Path, tokenizer_dir: str | Path | None, extra_files: dict[str, str] | None) -> None:
+    """The tokenizer files of `tokenizer_dir` (those present) and any extra text files, into `folder`."""
+    if tokenizer_dir is not None:
+        for name in TOKENIZER_FILES:
+            src = Path(tokenizer_dir) / name
+            if src.is_file():
+                shutil.copyfile(src, folder / name)
+    for name, text in (extra_files or {}).items():
+        (folder / name).write_text(text)
 
 
 @contextmanager

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from edgefinfer.errors import UserError
+from edgefinfer.errors import UserError, run_command
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -261,25 +261,7 @@ def bench(ctx: click.Context, name: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        cli.main(args=argv, prog_name="edgefinfer", standalone_mode=False)
-    except UserError as e:
-        click.echo(f"error: {e}", err=True)
-        return 2
-    except click.UsageError as e:
-        hint = f" (see `{e.ctx.command_path} --help`)" if e.ctx is not None else ""
-        click.echo(f"error: {e.format_message()}{hint}", err=True)
-        return 2
-    except click.ClickException as e:
-        click.echo(f"error: {e.format_message()}", err=True)
-        return 2
-    except click.exceptions.Abort:
-        click.echo("aborted", err=True)
-        return 130
-    except KeyboardInterrupt:
-        click.echo("interrupted", err=True)
-        return 130
-    return 0
+    return run_command(cli, argv, prog_name="edgefinfer")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import sys
 
 import click
 
-from edgefinfer.errors import UserError
+from edgefinfer.errors import run_command
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -78,15 +78,7 @@ def serve(model: str, backend: str | None, host: str, port: int, max_num_seqs: i
 
 
 def main() -> int:
-    try:
-        serve.main(standalone_mode=False)
-    except UserError as e:
-        click.echo(f"error: {e}", err=True)
-        return 2
-    except click.ClickException as e:
-        click.echo(f"error: {e.format_message()}", err=True)
-        return 2
-    return 0
+    return run_command(serve, prog_name="edgefinfer serve")
 
 
 if __name__ == "__main__":

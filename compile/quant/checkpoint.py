@@ -17,7 +17,6 @@ Codes are kept unpacked (one int8 per code) so any exporter can read them withou
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from edgefinfer.checkpoint import TOKENIZER_FILES, atomic_dir, load_config, load_state_dict
+from edgefinfer.checkpoint import atomic_dir, load_config, load_state_dict, write_side_files
 from edgefinfer.compile.quant.apply import LM_HEAD, set_module
 from edgefinfer.compile.quant.modules import Fp8Linear, QuantEmbedding, QuantLinear, tied_head
 from edgefinfer.compile.quant.recipe import QuantRecipe, WeightFormat
@@ -70,13 +69,7 @@ def save_quantized(model: Transformer, recipe: QuantRecipe, path: str | Path, to
     with atomic_dir(dest) as tmp:
         (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
         save_file(state, tmp / "model.safetensors", metadata={"format": "pt", "quant_method": QUANT_METHOD})
-        if tokenizer_dir is not None:
-            for name in TOKENIZER_FILES:
-                src = Path(tokenizer_dir) / name
-                if src.is_file():
-                    shutil.copyfile(src, tmp / name)
-        for name, text in (extra_files or {}).items():
-            (tmp / name).write_text(text)
+        write_side_files(tmp, tokenizer_dir, extra_files)
     return dest
 
 
