@@ -74,6 +74,13 @@ class _Base:
     def usage_chunk(self) -> dict[str, Any]:
         return {**self._head(self.object_chunk), "choices": [], "usage": self.usage()}
 
+    def _visible_deltas(self, prompt_index: int, out: RequestOutput):
+        """(choice index, delta) for each delta a streaming client must see (text, logprobs or an end)."""
+        self._record(prompt_index, out)
+        for d in out.deltas:
+            if d.text or d.finish_reason or d.logprobs:
+                yield self._index(prompt_index, d), d
+
     def _choices(self) -> list[int]:
         return sorted(set(self.texts) | set(self.finish))
 
@@ -91,12 +98,8 @@ class CompletionBuilder(_Base):
                 "top_logprobs": [{self.piece(i): lp for i, lp in t.top} for t in items], "text_offset": offsets}
 
     def chunks(self, prompt_index: int, out: RequestOutput) -> list[dict[str, Any]]:
-        self._record(prompt_index, out)
         chunks = []
-        for d in out.deltas:
-            if not (d.text or d.finish_reason or d.logprobs):
-                continue
-            i = self._index(prompt_index, d)
+        for i, d in self._visible_deltas(prompt_index, out):
             lp = self._logprobs(d.logprobs, len(self.texts[i])) if self.want_logprobs and d.logprobs else None
             self.texts[i] += d.text
             chunks.append({**self._head(self.object_chunk), "choices": [
@@ -129,12 +132,8 @@ class ChatBuilder(_Base):
             for i in range(self.n)]
 
     def chunks(self, prompt_index: int, out: RequestOutput) -> list[dict[str, Any]]:
-        self._record(prompt_index, out)
         chunks = []
-        for d in out.deltas:
-            if not (d.text or d.finish_reason or d.logprobs):
-                continue
-            i = self._index(prompt_index, d)
+        for i, d in self._visible_deltas(prompt_index, out):
             delta = {"content": d.text} if d.text else {}
             lp = self._logprobs(d.logprobs) if self.want_logprobs and d.logprobs else None
             chunks.append({**self._head(self.object_chunk), "choices": [
