@@ -16,6 +16,15 @@ total length (T) and each row's valid length (its sum): with a shared past/prese
 `max_seq_len` slots, new keys go to slots seqlen-S .. seqlen-1, so rolling back is simply running
 with a shorter mask.
 
+`kv="window"` exports the streaming form instead: GQA's windowed cache (`sliding_window_cache=1`,
+ONNX Runtime >= 1.31) keeps the last `window` positions in a buffer of `window + lookahead` slots
+and evicts by itself, so memory stays flat however long the stream. That form has no
+`attention_mask` (a [1, T] row would grow with the stream); it takes `position_ids` [1, S], from
+which the graph derives GQA's lengths, and it applies RoPE outside GQA with cos/sin computed from
+those positions (GQA's own RoPE reads a fixed table indexed by absolute position, which would bound
+the stream). Batch 1 only (GQA allows multi-token steps on a cache for one sequence); onnxruntime-genai
+cannot drive it, so no genai_config.json is written.
+
 Weights: float (fp32 / fp16) or integer. Integer weights come from `edgefinfer.compile.quant`'s
 quantized modules, so the graph holds the eager quantized model's codes bit for bit; a float model
 exported with weights="int4"/"int8" is first quantized with that package's round-to-nearest recipe.
@@ -45,6 +54,7 @@ from edgefinfer.errors import UserError
 from edgefinfer.model import Transformer
 
 Weights = Literal["fp32", "fp16", "int8", "int4"]
+KVLayout = Literal["static", "window"]
 WEIGHTS: tuple[str, ...] = ("fp32", "fp16", "int8", "int4")
 MODEL_FILE = "model.onnx"
 GENAI_CONFIG = "genai_config.json"
@@ -55,7 +65,8 @@ GRAPH_KIND = "gqa"  # metadata tag read by the runtime (the QNN graph is "static
 
 def export_onnx(model: Transformer, out_dir: str | Path, *, weights: Weights | None = None, block_size: int = 32,
                 symmetric: bool = True, embedding: Literal["float", "int8", "int4"] | None = None,
-                window: int | None = None, max_seq_len: int | None = None, accuracy_level: int = 4,
+                kv: KVLayout = "static", window: int | None = None, lookahead: int | None = None,
+                max_seq_len: int | None = None, accuracy_level: int = 4,
                 pack_gate_up: bool = True, tokenizer_dir: str | Path | None = None,
                 filename: str = MODEL_FILE) -> dict[str, Any]:
     """Write `out_dir/model.onnx` (+ `.onnx.data`) and `out_dir/genai_config.json`.
@@ -64,9 +75,14 @@ def export_onnx(model: Transformer, out_dir: str | Path, *, weights: Weights | N
         `edgefinfer.compile.quant` keeps its codes). "int4"/"int8" on a float model quantizes it
         first (round to nearest, groups of `block_size`, `symmetric`), with embeddings and lm_head in
         `embedding` bits (default: the same as the linears; "float" keeps them float).
+    kv: "static" (a `max_seq_len`-slot buffer, onnxruntime-genai compatible) or "window" (a
+        `window + lookahead`-slot buffer that streams without a length limit; see the module doc).
     window: sliding-window attention (the query sees itself and the window-1 previous positions);
-        default the model's own `sliding_window`.
-    max_seq_len: positions the KV buffer and the RoPE tables cover (default max_position_embeddings).
+        default the model's own `sliding_window`; required for kv="window".
+    lookahead: kv="window" only: slots beyond the window (default window // 4). GQA compacts the
+        buffer every lookahead + 1 tokens, so more slots mean rarer compactions and more memory.
+    max_seq_len: kv="static" only: positions the KV buffer and the RoPE tables cover (default
+        max_position_embeddings).
     accuracy_level: MatMulNBits' activation precision (4 = int8 activations, the fast CPU path;
         0 = float activations, which reproduces the eager quantized model to float rounding).
     pack_gate_up: one MatMul(NBits) for gate|up then a Split: one kernel call fewer per layer
@@ -80,18 +96,21 @@ def export_onnx(model: Transformer, out_dir: str | Path, *, weights: Weights | N
     window = cfg.sliding_window if window is None else window
     if window is not None and window < 1:
         raise UserError(f"the attention window must be >= 1 token, got {window}")
-    max_seq_len = max_seq_len or cfg.max_position_embeddings
+    slots = _cache_slots(kv, window, lookahead, max_seq_len)
+    max_seq_len = None if kv == "window" else max_seq_len or cfg.max_position_embeddings
     if accuracy_level not in (0, 1, 2, 3, 4):
         raise UserError(f"accuracy_level must be 0..4 (MatMulNBits' activation precision), got {accuracy_level}")
 
     builder = GraphBuilder()
-    io = _declare_io(builder, cfg, io_dtype)
+    io = _declare_io(builder, cfg, io_dtype, slots if kv == "window" else None)
     _DecoderGraph(builder, model, io_dtype, window, max_seq_len, accuracy_level, pack_gate_up).emit(io)
     kind = recipe or ("fp16" if io_dtype == np.float16 else _weights_label(model))
     metadata = {
         "edgefinfer.graph": GRAPH_KIND,
-        "edgefinfer.max_seq_len": str(max_seq_len),
+        "edgefinfer.kv": kv,
+        "edgefinfer.max_seq_len": "" if max_seq_len is None else str(max_seq_len),
         "edgefinfer.window": "" if window is None else str(window),
+        "edgefinfer.cache_slots": "" if kv == "static" else str(slots),
         "edgefinfer.weights": kind,
         "edgefinfer.vocab_size": str(cfg.vocab_size),
         "edgefinfer.num_layers": str(cfg.num_hidden_layers),
@@ -99,19 +118,25 @@ def export_onnx(model: Transformer, out_dir: str | Path, *, weights: Weights | N
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     files = save_model(builder.model(metadata), out / filename)
-    (out / GENAI_CONFIG).write_text(json.dumps(genai_config(cfg, filename, max_seq_len), indent=2) + "\n")
+    genai = [GENAI_CONFIG] if kv == "static" else []
+    if genai:
+        (out / GENAI_CONFIG).write_text(json.dumps(genai_config(cfg, filename, max_seq_len), indent=2) + "\n")
     copied = [n for n in TOKENIZER_FILES if tokenizer_dir and (Path(tokenizer_dir) / n).is_file()]
     for name in copied:
         shutil.copyfile(Path(tokenizer_dir) / name, out / name)
     return {
-        "files": [f.name for f in files] + [GENAI_CONFIG] + copied,
+        "files": [f.name for f in files] + genai + copied,
         "model_file": filename,
         "weights": kind,
         "opset": builder.opset,
-        "inputs": ["input_ids", "attention_mask"] + _kv_names("past_key_values", cfg.num_hidden_layers),
+        "inputs": ["input_ids", "attention_mask" if kv == "static" else "position_ids"]
+        + _kv_names("past_key_values", cfg.num_hidden_layers),
         "outputs": ["logits"] + _kv_names("present", cfg.num_hidden_layers),
-        "kv_layout": {"format": "BNSH", "shape": ["batch", cfg.num_key_value_heads, max_seq_len, cfg.dim_per_head],
-                      "dtype": np.dtype(io_dtype).name, "past_present_share_buffer": True},
+        "kv_layout": {"format": "BNSH", "shape": ["batch", cfg.num_key_value_heads, slots or max_seq_len, cfg.dim_per_head],
+                      "dtype": np.dtype(io_dtype).name, "past_present_share_buffer": True,
+                      "sliding_window_cache": kv == "window"},
+        "kv": {"layout": kv, "max_seq_len": max_seq_len, "window": window,
+               "lookahead": None if kv == "static" else slots - window},
         "max_seq_len": max_seq_len,
         "window": window,
         "accuracy_level": accuracy_level,
@@ -151,6 +176,24 @@ def genai_config(cfg: ModelConfig, filename: str, max_seq_len: int) -> dict[str,
     if not eos:
         del config["model"]["eos_token_id"]
     return config
+
+
+def _cache_slots(kv: str, window: int | None, lookahead: int | None, max_seq_len: int | None) -> int | None:
+    """KV slots of a window graph (None for a static one, whose buffer holds max_seq_len)."""
+    if kv == "static":
+        if lookahead is not None:
+            raise UserError("lookahead applies to kv='window'; drop it for a static cache")
+        return None
+    if kv != "window":
+        raise UserError(f"unknown kv layout {kv!r}: use 'static' or 'window'")
+    if window is None:
+        raise UserError("kv='window' needs window=N >= 1 (the number of recent positions kept)")
+    if max_seq_len is not None:
+        raise UserError("max_seq_len applies to kv='static'; a window cache has no length limit")
+    lookahead = max(1, window // 4) if lookahead is None else lookahead
+    if lookahead < 0:
+        raise UserError(f"lookahead must be >= 0, got {lookahead}")
+    return window + lookahead
 
 
 def rope_tables(model: Transformer, max_seq_len: int) -> tuple[np.ndarray, np.ndarray]:
@@ -201,12 +244,21 @@ def _kv_names(prefix: str, n_layers: int) -> list[str]:
     return [f"{prefix}.{i}.{kv}" for i in range(n_layers) for kv in ("key", "value")]
 
 
-def _declare_io(b: GraphBuilder, cfg: ModelConfig, io_dtype: np.dtype) -> dict[str, Any]:
+def _declare_io(b: GraphBuilder, cfg: ModelConfig, io_dtype: np.dtype, window_slots: int | None) -> dict[str, Any]:
+    """Graph inputs: genai's (static) or the window form's (batch 1, position_ids, fixed-size cache)."""
     t = ir_dtype(io_dtype)
-    kv_shape = ["batch_size", cfg.num_key_value_heads, "past_sequence_length", cfg.dim_per_head]
+    if window_slots is None:
+        kv_shape: list = ["batch_size", cfg.num_key_value_heads, "past_sequence_length", cfg.dim_per_head]
+        ids = b.input("input_ids", ir.DataType.INT64, ["batch_size", "sequence_length"])
+        lengths = {"attention_mask": b.input("attention_mask", ir.DataType.INT64,
+                                             ["batch_size", "total_sequence_length"])}
+    else:
+        kv_shape = [1, cfg.num_key_value_heads, window_slots, cfg.dim_per_head]
+        ids = b.input("input_ids", ir.DataType.INT64, [1, "sequence_length"])
+        lengths = {"position_ids": b.input("position_ids", ir.DataType.INT64, [1, "sequence_length"])}
     return {
-        "input_ids": b.input("input_ids", ir.DataType.INT64, ["batch_size", "sequence_length"]),
-        "attention_mask": b.input("attention_mask", ir.DataType.INT64, ["batch_size", "total_sequence_length"]),
+        "input_ids": ids,
+        **lengths,
         "past": [(b.input(f"past_key_values.{i}.key", t, kv_shape), b.input(f"past_key_values.{i}.value", t, kv_shape))
                  for i in range(cfg.num_hidden_layers)],
     }
@@ -214,7 +266,8 @@ def _declare_io(b: GraphBuilder, cfg: ModelConfig, io_dtype: np.dtype) -> dict[s
 
 class _DecoderGraph:
     def __init__(self, b: GraphBuilder, model: Transformer, io_dtype: np.dtype, window: int | None,
-                 max_seq_len: int, accuracy_level: int, pack_gate_up: bool):
+                 max_seq_len: int | None, accuracy_level: int, pack_gate_up: bool):
+        """max_seq_len None: the window form (RoPE from positions, GQA's windowed cache)."""
         self.b, self.model, self.cfg = b, model, model.config
         self.dtype = np.dtype(io_dtype)
         self.window = window
@@ -261,16 +314,10 @@ class _DecoderGraph:
     # -- the model --
     def emit(self, io: dict[str, Any]) -> None:
         b, cfg, m = self.b, self.cfg, self.model
-        mask = io["attention_mask"]
-        b.scope = "/attn_mask"
-        # GQA reads lengths, not a mask: seqlens_k = valid length - 1, total_sequence_length = T.
-        seqlens = b.op("ReduceSum", [mask, b.scalar_i64(1)], "ReduceSum", keepdims=0)
-        seqlens_k = b.op("Cast", [b.op("Sub", [seqlens, b.scalar_i64(1)], "Sub")], "seqlens_k", to=ir.DataType.INT32)
-        total = b.op("Gather", [b.op("Shape", [mask], "Shape"), b.const("const_i64_scalar_1", np.array(1, np.int64))],
-                     "Gather", axis=0)
-        total_len = b.op("Cast", [total], "total_sequence_length", to=ir.DataType.INT32)
-        cos, sin = rope_tables(m, self.max_seq_len)
-        rope = (b.const("cos_cache", cos.astype(self.dtype)), b.const("sin_cache", sin.astype(self.dtype)))
+        if "attention_mask" in io:
+            seqlens_k, total_len, rope = self.lengths_from_mask(io["attention_mask"])
+        else:
+            seqlens_k, total_len, rope = self.lengths_from_positions(io["position_ids"])
 
         b.scope = "/model/embed_tokens"
         emb = embedding_spec(m.model.embed_tokens, self.dtype)
@@ -310,6 +357,41 @@ class _DecoderGraph:
         for value, name, shape in self.presents:  # after logits, in layer order (key, value)
             b.output(value, name, ir_dtype(self.dtype), shape)
 
+    def lengths_from_mask(self, mask: ir.Value) -> tuple[ir.Value, ir.Value, tuple[ir.Value, ir.Value]]:
+        """GQA reads lengths, not a mask: seqlens_k = valid length - 1, total_sequence_length = T.
+        RoPE runs inside GQA from the [max_seq_len, D/2] tables."""
+        b = self.b
+        b.scope = "/attn_mask"
+        seqlens = b.op("ReduceSum", [mask, b.scalar_i64(1)], "ReduceSum", keepdims=0)
+        seqlens_k = b.op("Cast", [b.op("Sub", [seqlens, b.scalar_i64(1)], "Sub")], "seqlens_k", to=ir.DataType.INT32)
+        total = b.op("Gather", [b.op("Shape", [mask], "Shape"), b.const("const_i64_scalar_1", np.array(1, np.int64))],
+                     "Gather", axis=0)
+        total_len = b.op("Cast", [total], "total_sequence_length", to=ir.DataType.INT32)
+        cos, sin = rope_tables(self.model, self.max_seq_len)
+        return seqlens_k, total_len, (b.const("cos_cache", cos.astype(self.dtype)),
+                                      b.const("sin_cache", sin.astype(self.dtype)))
+
+    def lengths_from_positions(self, positions: ir.Value) -> tuple[ir.Value, ir.Value, tuple[ir.Value, ir.Value]]:
+        """The window form: the last position p gives seqlens_k = p and total_sequence_length = p + 1
+        (batch 1); cos/sin [S, D/2] for exactly these positions, computed as the eager model does
+        (float32 angles), so no table bounds the stream."""
+        b = self.b
+        b.scope = "/positions"
+        last = b.op("ReduceMax", [positions, b.scalar_i64(1)], "ReduceMax", keepdims=0)  # [1]
+        seqlens_k = b.op("Cast", [last], "seqlens_k", to=ir.DataType.INT32)
+        total = b.op("Add", [b.op("Squeeze", [last, b.scalar_i64(0)], "Squeeze"),
+                             b.const("const_i64_scalar_1", np.array(1, np.int64))], "Add")
+        total_len = b.op("Cast", [total], "total_sequence_length", to=ir.DataType.INT32)
+        inv_freq = self.model.inv_freq.detach().float().cpu().numpy()
+        flat = b.op("Reshape", [b.op("Cast", [positions], "Cast", to=ir.DataType.FLOAT), b.scalar_i64(-1, 1)],
+                    "Reshape")  # [S, 1]
+        angles = b.op("Mul", [flat, b.const("rope_inv_freq", inv_freq)], "angles")  # [S, D/2]
+        cos, sin = b.op("Cos", [angles], "Cos"), b.op("Sin", [angles], "Sin")
+        if self.dtype != np.float32:
+            cos = b.op("Cast", [cos], "CastCos", to=ir_dtype(self.dtype))
+            sin = b.op("Cast", [sin], "CastSin", to=ir_dtype(self.dtype))
+        return seqlens_k, total_len, (cos, sin)
+
     def embed(self, ids: ir.Value, emb: EmbeddingSpec) -> ir.Value:
         b = self.b
         if isinstance(emb, FloatEmbedding):
@@ -340,14 +422,33 @@ class _DecoderGraph:
         else:  # mixed formats (a mixed-precision recipe): three projections feed GQA separately
             qkv = [self.linear(h, s, f"attn/{n}") for s, n in zip(specs, ("q_proj", "k_proj", "v_proj"))]
         local = -1 if self.window is None else self.window  # keys visible to a query, itself included (measured)
+        streaming = self.max_seq_len is None
+        if streaming:  # RoPE outside GQA: its internal RoPE indexes a bounded table by absolute position
+            qkv = self.rotary(qkv, rope)
         out, present_k, present_v = b.op(
-            "GroupQueryAttention", [*qkv, past[0], past[1], seqlens_k, total_len, rope[0], rope[1]],
+            "GroupQueryAttention", [*qkv, past[0], past[1], seqlens_k, total_len,
+                                    *((None, None) if streaming else rope)],
             "attn/GroupQueryAttention", domain=MS_DOMAIN, num_outputs=3, num_heads=cfg.num_attention_heads,
-            kv_num_heads=cfg.num_key_value_heads, local_window_size=local, do_rotary=1, rotary_interleaved=0)
-        present_shape = ["batch_size", cfg.num_key_value_heads, "total_sequence_length", cfg.dim_per_head]
+            kv_num_heads=cfg.num_key_value_heads, local_window_size=local, do_rotary=int(not streaming),
+            rotary_interleaved=0, sliding_window_cache=1 if streaming else None)
+        present_shape = (["batch_size", cfg.num_key_value_heads, "total_sequence_length", cfg.dim_per_head]
+                         if not streaming else list(past[0].shape.dims))
         self.presents += [(present_k, f"present.{i}.key", present_shape),
                           (present_v, f"present.{i}.value", present_shape)]
         return self.linear(out, self.spec(attn.o_proj, f"layers.{i}.o_proj"), "attn/o_proj")
+
+    def rotary(self, qkv: list[ir.Value | None], rope: tuple[ir.Value, ir.Value]) -> list[ir.Value]:
+        """RoPE on q and k with cos/sin rows for this step's positions (row s = token s: offset 0)."""
+        b, cfg = self.b, self.cfg
+        D, H, Hkv = cfg.dim_per_head, cfg.num_attention_heads, cfg.num_key_value_heads
+        q, k, v = qkv if qkv[1] is not None else b.op(
+            "Split", [qkv[0], b.scalar_i64(H * D, Hkv * D, Hkv * D)], "attn/SplitQKV", num_outputs=3, axis=-1)
+        offset = b.scalar_i64(0)
+        q = b.op("RotaryEmbedding", [q, offset, *rope], "attn/q_rotary", domain=MS_DOMAIN, num_heads=H,
+                 rotary_embedding_dim=D, interleaved=0)
+        k = b.op("RotaryEmbedding", [k, offset, *rope], "attn/k_rotary", domain=MS_DOMAIN, num_heads=Hkv,
+                 rotary_embedding_dim=D, interleaved=0)
+        return [q, k, v]
 
     def mlp(self, h: ir.Value, mlp: nn.Module) -> ir.Value:
         b = self.b

@@ -22,7 +22,7 @@ import psutil
 
 from edgefinfer.errors import UserError
 from edgefinfer.generate import Generation, detokenize, encode_prompt
-from edgefinfer.runtime.backends.base import Backend
+from edgefinfer.runtime.backends.base import UNBOUNDED, Backend
 from edgefinfer.runtime.decode import Speculation, generate_tokens
 from edgefinfer.sampling import SamplingParams
 from edgefinfer.tokenizer import Tokenizer
@@ -105,9 +105,6 @@ def open_backend(path: str | Path, kind: str | None = None, kv: KVSpec = KVSpec(
         art = manifest.artefact("model", kind) if kind else manifest.artefact("model")
         if art is None:
             raise UserError(f"bundle {path} has no model artefact" + (f" for backend {kind!r}" if kind else ""))
-        kv_meta = art.meta.get("kv", {})
-        if kv_meta.get("kind") == "window":
-            window = kv_meta.get("window")
         backend = _open(path / art.path, art.backend, window, kv.sinks, threads, max_seq_len, kv.block_size)
         eos = _eos_ids(manifest.model.get("config", {}))
         return backend, Tokenizer.from_dir(path), {"bundle": manifest.target, "artefact": art.path, "eos_ids": eos}
@@ -154,12 +151,26 @@ def _open(path: Path, kind: str | None, window: int | None, sinks: int, threads:
     if kind == "executorch":
         from edgefinfer.runtime.backends.executorch import ExecuTorchBackend
 
-        return ExecuTorchBackend(path, threads=threads)
+        return _check_window(ExecuTorchBackend(path, threads=threads), window, sinks)
     if kind == "onnxruntime":
         from edgefinfer.runtime.backends.ort import OrtBackend
 
-        return OrtBackend(path, threads=threads)
+        return _check_window(OrtBackend(path, threads=threads, max_seq_len=max_seq_len), window, sinks)
     raise UserError(f"unknown backend {kind!r}: use torch, executorch, onnxruntime or llamacpp")
+
+
+def _check_window(backend: Backend, window: int | None, sinks: int) -> Backend:
+    """A compiled artefact's cache layout is fixed at export: `--kv window:N` must match it."""
+    if window is None:
+        return backend
+    streams = backend.max_seq_len >= UNBOUNDED
+    have = (backend.window, getattr(backend, "num_sinks", 0)) if streams else None
+    if have != (window, sinks):
+        what = f"a window cache of {have[0]} (sinks {have[1]})" if have else "a static cache"
+        raise UserError(f"{backend.name} artefacts fix their KV cache at export and this one has {what}; "
+                        f"rebuild with `edgefinfer build --kv window:{window}" + (f",sinks:{sinks}" if sinks else "")
+                        + "` or drop --kv")
+    return backend
 
 
 def _tokenizer_for(path: Path, kind: str) -> Tokenizer:
@@ -190,6 +201,10 @@ class Engine:
         kv = kv if isinstance(kv, KVSpec) else KVSpec.parse(kv)
         spec = speculative if isinstance(speculative, SpecSpec) or speculative is None else SpecSpec.parse(speculative)
         be, tok, info = open_backend(path, backend, kv, threads, max_seq_len)
+        limit = getattr(be, "max_draft_tokens", None)
+        if spec is not None and limit is not None and spec.k > limit:
+            raise UserError(f"this window cache can roll back at most {limit} speculative tokens per step "
+                            f"(K={spec.k}); lower K or use a window cache with more lookahead slots")
         speculation = _speculation(spec, be, kv, threads) if spec is not None else None
         return cls(be, tok, info["eos_ids"], speculation, info)
 

@@ -18,6 +18,8 @@ from typing import Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
+UNBOUNDED = 1 << 30  # the max_seq_len a window cache reports: it streams without a length limit
+
 
 @runtime_checkable
 class Backend(Protocol):
@@ -25,6 +27,8 @@ class Backend(Protocol):
     vocab_size: int
     max_seq_len: int  # positions the cache can address (a window cache: unbounded, report a large number)
     window: int | None  # a sliding-window cache keeps only this many recent positions (None: full context)
+    # Optional: a window cache that can roll back at most this many rejected tokens of one step
+    # exactly declares `max_draft_tokens: int`; the Engine refuses a larger speculative K.
 
     def forward(self, tokens: Sequence[int], start_pos: int) -> np.ndarray:
         """Feed `tokens` at positions start_pos.. and return their logits, float32 [len(tokens), vocab]."""

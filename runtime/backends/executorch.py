@@ -28,9 +28,9 @@ import numpy as np
 import torch
 
 from edgefinfer.errors import UserError
+from edgefinfer.runtime.backends.base import UNBOUNDED
 
 KERNEL_MODULES = ("executorch.kernels.quantized", "executorch.extension.llm.custom_ops.custom_ops")
-UNBOUNDED = 1 << 30
 
 
 def register_kernels() -> None:
@@ -87,6 +87,8 @@ class ExecuTorchBackend:
         self.window = window or None
         self.num_sinks = int(self.methods.get("edgefinfer_num_sinks", 0))
         self.lookahead = int(self.methods.get("edgefinfer_lookahead", 0)) or None
+        if self.window:  # rejected tokens must not have overwritten ring slots still inside the window
+            self.max_draft_tokens = self.lookahead or 0
         self.max_seq_len = UNBOUNDED if self.window else int(self.methods.get("get_max_context_len", self.max_chunk))
         self.all_logits = bool(self.methods.get("edgefinfer_all_logits", False))
         eos = self.methods.get("get_eos_ids", [])

@@ -11,6 +11,10 @@ nothing but the token ids in and the logits out. Positions are implicit: the `at
 length is start_pos + S and new entries land at slots start_pos.., so a rollback is a no-op: the
 next call simply starts at the shorter length and overwrites the stale slots.
 
+A window graph (`export_onnx(kv="window")`) binds buffers of `window + lookahead` slots instead and
+feeds `position_ids`; GQA evicts inside them, so the stream has no length limit and memory stays
+flat. `ort_window.WindowedKV` mirrors the operator's layout so rollbacks stay exact.
+
 OrtStaticBackend runs a graph whose every shape is fixed (batch 1, one token, a W-slot window
 cache): the host owns the cache as numpy arrays, passes it in, receives the new token's key/value
 and writes them into ring slot `pos % W`, and builds the finite additive mask. Prefill is token by
@@ -27,6 +31,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from edgefinfer.errors import UserError
+from edgefinfer.runtime.backends.base import UNBOUNDED
+from edgefinfer.runtime.backends.ort_window import WindowedKV
 
 MODEL_FILE = "model.onnx"
 MASK_OFF = -100.0  # the static graph's "may not attend" bias: finite, so int8/int16 QDQ keeps resolution
@@ -138,21 +144,31 @@ class OrtBackend:
         logits = next(o for o in self.session.get_outputs() if o.name == "logits")
         genai = _genai_decoder(self.path)  # a model-builder folder names its sizes only there
         self.vocab_size = int(meta.get("edgefinfer.vocab_size") or logits.shape[-1])
-        exported = int(meta.get("edgefinfer.max_seq_len") or genai.get("context_length", 2048))
-        if max_seq_len is not None and not 0 < max_seq_len <= exported:
-            raise UserError(f"max_seq_len={max_seq_len} is outside the model's RoPE table (1..{exported}); "
-                            "re-export with a larger max_seq_len")
-        self.max_seq_len = max_seq_len or exported
         self.window = int(meta["edgefinfer.window"]) if meta.get("edgefinfer.window") else None
         n_kv = n_kv if isinstance(n_kv, int) else genai["num_key_value_heads"]
         head_dim = head_dim if isinstance(head_dim, int) else genai["head_size"]
+        if meta.get("edgefinfer.kv") == "window":
+            slots = int(meta["edgefinfer.cache_slots"])
+            self.max_seq_len = UNBOUNDED  # GQA evicts inside `slots`; positions have no table to outgrow
+        else:
+            exported = int(meta.get("edgefinfer.max_seq_len") or genai.get("context_length", 2048))
+            if max_seq_len is not None and not 0 < max_seq_len <= exported:
+                raise UserError(f"max_seq_len={max_seq_len} is outside the model's RoPE table (1..{exported}); "
+                                "re-export with a larger max_seq_len")
+            slots = self.max_seq_len = max_seq_len or exported
 
-        # One [1, Hkv, max_seq_len, D] buffer per layer and side, bound as both past and present.
-        shape = (1, int(n_kv), self.max_seq_len, int(head_dim))
-        self._kv = [ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, self.kv_dtype))
-                    for _ in range(2 * self.n_layers)]
+        # One [1, Hkv, slots, D] buffer per layer and side, bound as both past and present; ORT
+        # writes into these numpy arrays' memory (kept here: the OrtValues only borrow it).
+        shape = (1, int(n_kv), slots, int(head_dim))
+        self.kv_buffers = [np.zeros(shape, self.kv_dtype) for _ in range(2 * self.n_layers)]
+        self._kv = [ort.OrtValue.ortvalue_from_numpy(a) for a in self.kv_buffers]
+        self.windowed = WindowedKV(self.kv_buffers, slots, self.window) if self.max_seq_len == UNBOUNDED else None
+        if self.windowed is not None:  # a verify step must not evict its own tokens (see WindowedKV)
+            self.max_draft_tokens = self.window - 1
         # Decode-step tensors live in numpy arrays that the bound OrtValues share (no copies per token).
-        self._ones = np.ones((1, self.max_seq_len), np.int64)
+        self._ones = np.ones((1, slots), np.int64) if self.windowed is None else None
+        self._pos = np.zeros((1, 1), np.int64)
+        self._pos_value = ort.OrtValue.ortvalue_from_numpy(self._pos)
         self._ids = np.zeros((1, 1), np.int64)
         self._logits = np.zeros((1, 1, self.vocab_size), np.float32)
         self._ids_value = ort.OrtValue.ortvalue_from_numpy(self._ids)
@@ -178,25 +194,38 @@ class OrtBackend:
         decode = n == 1
         if decode:  # the bound ids/logits tensors share self._ids / self._logits: nothing is allocated
             self._ids[0, 0] = tokens[0]
+            self._pos[0, 0] = start_pos
             if not self._decode_bound:
                 b.bind_ortvalue_input("input_ids", self._ids_value)
                 b.bind_ortvalue_output("logits", self._logits_value)
+                if self.windowed is not None:
+                    b.bind_ortvalue_input("position_ids", self._pos_value)
         else:
             b.bind_cpu_input("input_ids", np.asarray(tokens, np.int64)[None])
             b.bind_output("logits")
+            if self.windowed is not None:
+                b.bind_cpu_input("position_ids", np.arange(start_pos, start_pos + n, dtype=np.int64)[None])
         self._decode_bound = decode
-        # The mask is a prefix of a ones row: bind it by pointer rather than copying it.
-        b.bind_input("attention_mask", "cpu", 0, np.int64, [1, start_pos + n], self._ones.ctypes.data)
+        if self.windowed is None:
+            # The mask is a prefix of a ones row: bind it by pointer rather than copying it.
+            b.bind_input("attention_mask", "cpu", 0, np.int64, [1, start_pos + n], self._ones.ctypes.data)
+        else:
+            self.windowed.before_step(start_pos, n)
         self.session.run_with_iobinding(b)
+        if self.windowed is not None:
+            self.windowed.after_step(start_pos + n)
         if decode:
             return self._logits[0].copy()
         return b.get_outputs()[0].numpy()[0].astype(np.float32, copy=False)
 
     def rollback(self, length: int) -> None:
-        pass  # positional: the next forward's mask length decides what is visible; stale slots are overwritten
+        """Positional: the next forward's length decides what is visible and stale slots are
+        overwritten (a window graph re-lays its buffers then, see `WindowedKV`)."""
 
     def reset(self) -> None:
-        pass  # likewise: a sequence restarting at position 0 overwrites from slot 0
+        # Likewise: a sequence restarting at position 0 overwrites from slot 0.
+        if self.windowed is not None:
+            self.windowed.reset()
 
 
 class OrtStaticBackend:

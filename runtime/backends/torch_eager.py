@@ -10,6 +10,7 @@ import torch
 from edgefinfer.cache import StaticCache
 from edgefinfer.errors import UserError
 from edgefinfer.model import Transformer
+from edgefinfer.runtime.backends.base import UNBOUNDED
 from edgefinfer.runtime.kv.window import SlidingWindowCache
 
 
@@ -26,8 +27,9 @@ class TorchBackend:
             self.max_seq_len = max_seq_len or model.config.max_position_embeddings
             self.cache = StaticCache(model.config, 1, self.max_seq_len, dtype=dtype)
         else:
-            self.max_seq_len = 1 << 30
+            self.max_seq_len = UNBOUNDED
             self.cache = SlidingWindowCache(model.config, 1, window, num_sinks, lookahead, dtype=dtype)
+            self.max_draft_tokens = lookahead  # rejected tokens never overwrite slots inside the window
 
     @torch.inference_mode()
     def forward(self, tokens: Sequence[int], start_pos: int) -> np.ndarray:
