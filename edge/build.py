@@ -44,6 +44,7 @@ class BuildOptions:
     recipe: str | None = None  # default: the target's
     quality_budget: float | None = None  # max perplexity increase in percent
     max_seq_len: int = 1024  # static-cache positions in the artefact
+    kv: str | None = None  # "static" (default) | "window:N[,sinks:S]": a streaming cache (pte, onnx)
     eval_tokens: int = 1024  # test tokens scored for perplexity (0: skip evaluation)
     eval_window: int = 256
     threads: int | None = None
@@ -74,6 +75,7 @@ def default_out(target: str) -> Path:
 def build(opts: BuildOptions) -> Path:
     target = get_target(opts.target)
     target.check()  # a missing SDK fails here, before any work
+    artefact_window(target, opts.kv)  # so does a cache layout the target cannot have
     if opts.draft is not None and not Path(opts.draft).is_dir():
         raise UserError(f"draft model folder {opts.draft} does not exist")
     from edgefinfer.tokenizer import Tokenizer
@@ -215,6 +217,7 @@ def compile_artefact(target: Target, model, tokenizer, recipe: str, folder: Path
                      opts: BuildOptions) -> tuple[list[str], dict]:
     """Write the target's artefact(s) into `folder`; returns (files, metadata), the main file first."""
     eos = model.config.eos_token_ids
+    window, sinks = artefact_window(target, opts.kv) or (None, 0)
     if target.format == "gguf":
         from edgefinfer.compile.gguf_export import export_gguf
 
@@ -224,13 +227,16 @@ def compile_artefact(target: Target, model, tokenizer, recipe: str, folder: Path
         from edgefinfer.compile.executorch_export import export_pte
 
         et_recipe = recipe if recipe in ("fp32", "fp16", "8da8w") else "8da4w"
-        meta = export_pte(model, folder / "model.pte", recipe=et_recipe, max_seq_len=opts.max_seq_len,
-                          backend=target.delegate or "xnnpack", bos_id=tokenizer.bos_id, eos_ids=list(eos))
+        cache = (dict(kv="window", window=window, num_sinks=sinks) if window else
+                 dict(kv="static", max_seq_len=opts.max_seq_len))
+        meta = export_pte(model, folder / "model.pte", recipe=et_recipe, backend=target.delegate or "xnnpack",
+                          bos_id=tokenizer.bos_id, eos_ids=list(eos), **cache)
         return ["model.pte"], meta
     if target.format == "onnx":
         from edgefinfer.compile.onnx_export import export_onnx
 
-        meta = export_onnx(model, folder, max_seq_len=opts.max_seq_len)
+        cache = dict(kv="window", window=window) if window else dict(kv="static", max_seq_len=opts.max_seq_len)
+        meta = export_onnx(model, folder, **cache)
         files = [meta["model_file"]] + [f for f in meta["files"] if f != meta["model_file"]]
         return files, meta
     if target.format == "qnn-context":
@@ -245,6 +251,27 @@ def compile_artefact(target: Target, model, tokenizer, recipe: str, folder: Path
                                                                  if f != meta.get("context_model", "model_ctx.onnx")]
         return files, meta
     raise UserError(f"target {target.name}: format {target.format} has no exporter")
+
+
+def artefact_window(target: Target, kv: str | None) -> tuple[int, int] | None:
+    """(window, sinks) that `--kv` asks the artefact to stream with; None for a static cache."""
+    if kv is None:
+        return None
+    from edgefinfer.runtime.engine import KVSpec
+
+    spec = KVSpec.parse(kv)
+    if spec.kind == "static":
+        return None
+    if spec.kind != "window":
+        raise UserError("--kv paged is chosen when running (edgefinfer run / serve), not built into an "
+                        "artefact; build with --kv static or --kv window:N")
+    if target.format not in ("pte", "onnx"):
+        raise UserError(f"target {target.name} ({target.format}) keeps a full KV cache; --kv window:N applies to "
+                        "the ExecuTorch and ONNX targets (e.g. android, linux-x86_64)")
+    if target.format == "onnx" and spec.sinks:
+        raise UserError("ONNX Runtime's windowed cache keeps no attention sinks: use --kv window:N, or an "
+                        "ExecuTorch target (android) for sinks")
+    return spec.window, spec.sinks
 
 
 def evaluate_artefact(target: Target, path: Path, test_ids: list[int], float_ppl: float | None,

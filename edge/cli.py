@@ -205,21 +205,24 @@ def targets(as_json: bool) -> None:
 @click.option("-o", "--out", default=None, help="Bundle folder (default: dist/TARGET).")
 @click.option("--max-seq-len", default=1024, show_default=True, type=click.IntRange(16),
               help="Positions the artefact's static KV cache holds.")
+@click.option("--kv", default=None, help="The artefact's KV cache: static (default; --max-seq-len positions) | "
+              "window:N[,sinks:S] (streams without a length limit in constant memory; ExecuTorch and ONNX targets).")
 @click.option("--eval-tokens", default=1024, show_default=True, type=click.IntRange(0),
               help="Test tokens scored for perplexity (0 skips evaluation).")
 @click.option("--soc", default="sm8650", show_default=True, help="Snapdragon SoC for --target qnn.")
 @click.option("--draft", default=None, help="A draft model folder to ship for speculative decoding.")
 @click.option("--threads", type=int, default=None)
 def build(target: str, model: str | None, recipe: str | None, quality_budget: float | None, out: str | None,
-          max_seq_len: int, eval_tokens: int, soc: str, draft: str | None, threads: int | None) -> None:
+          max_seq_len: int, kv: str | None, eval_tokens: int, soc: str, draft: str | None,
+          threads: int | None) -> None:
     """Build a deployable bundle for a target: quantize, compile, evaluate, package."""
     get_target_checked(target)  # before importing torch and the exporters: a missing SDK fails at once
     from edgefinfer.build import BuildOptions
     from edgefinfer.build import build as run_build
 
     path = run_build(BuildOptions(target=target, model=model, out=out, recipe=recipe, quality_budget=quality_budget,
-                                  max_seq_len=max_seq_len, eval_tokens=eval_tokens, threads=threads, soc=soc,
-                                  draft=draft))
+                                  max_seq_len=max_seq_len, kv=kv, eval_tokens=eval_tokens, threads=threads,
+                                  soc=soc, draft=draft))
     click.echo(str(path))
 
 

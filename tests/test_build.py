@@ -27,6 +27,7 @@ def cli(*args, **kw):
 def tiny_dir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("build") / "tiny"
     tok = tiny_tokenizer(320)
+    tok.eos_token = None  # a random model would stop at a random EOS; the streaming test needs 1100 tokens
     save_model(tiny_model(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128,
                           max_position_embeddings=1024, eos_token_id=None), folder)
     tok.save(folder)
@@ -60,6 +61,32 @@ def test_bundle_runs_in_its_runtime(tmp_path, tiny_dir, target, artefact):
     assert manifest.tools["torch"] and manifest.recipe["name"]
     out = Engine.load(tmp_path / "b").generate("It is a truth", max_tokens=12)
     assert out.stats.generated_tokens == 12
+
+
+@pytest.mark.parametrize("target, kv, sinks", [("linux-x86_64", "window:64", None),
+                                               ("android", "window:64,sinks:4", 4)])
+def test_window_bundle_streams_past_the_models_context(tmp_path, tiny_dir, target, kv, sinks):
+    """`--kv window:N`: ONNX Runtime's windowed GQA cache or ExecuTorch's ring (with attention
+    sinks); either streams past the model's 1024 positions."""
+    proc = cli("build", "--target", target, "--model", str(tiny_dir), "-o", str(tmp_path / "b"),
+               "--kv", kv, "--eval-tokens", "128")
+    assert proc.returncode == 0, proc.stderr
+    meta = load_manifest(tmp_path / "b").artefact("model").meta["kv"]
+    assert (meta["layout"], meta["window"], meta["max_seq_len"], meta.get("num_sinks")) == ("window", 64, None, sinks)
+    out = Engine.load(tmp_path / "b").generate("It is a truth", max_tokens=1100)
+    assert out.stats.generated_tokens == 1100
+
+
+@pytest.mark.parametrize("target, kv, message", [
+    ("gpu-server", "window:64", "keeps a full KV cache"),
+    ("linux-x86_64", "window:64,sinks:4", "keeps no attention sinks"),
+    ("android", "paged:16", "chosen when running"),
+    ("android", "ring:3", "bad --kv 'ring:3'"),
+])
+def test_cache_layouts_a_target_cannot_have_fail_up_front(target, kv, message):
+    proc = cli("build", "--target", target, "--kv", kv)
+    assert proc.returncode == 2 and message in proc.stderr
+    assert proc.stderr.strip().count("\n") == 0  # one line, no traceback
 
 
 def test_ios_builds_a_core_ml_delegated_pte(tmp_path, tiny_dir):
