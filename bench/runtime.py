@@ -57,7 +57,7 @@ def child_ours(backend_kind: str, path: str, prompt: list[int], n: int, threads:
 
     backend.forward = timed_forward
     list(generate_tokens(backend, prompt, 4))  # warm-up
-    from edgefinfer.generate import GenerationStats
+    from edgefinfer.generation import GenerationStats
 
     stats = GenerationStats()
     inner["s"] = 0.0

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from edgefinfer.checkpoint import atomic_dir
+from edgefinfer.atomic import atomic_dir
 from edgefinfer.errors import UserError
 from edgefinfer.model import Transformer
 

@@ -290,7 +290,7 @@ def evaluate_artefact(target: Target, path: Path, test_ids: list[int], float_ppl
 
     ppl = _perplexity_of(logits_fn, test_ids, min(opts.eval_window, backend.max_seq_len))
     # Speed through the runtime's own token loop: 64 prompt tokens, then 33 greedy tokens (no stop ids).
-    from edgefinfer.generate import GenerationStats
+    from edgefinfer.generation import GenerationStats
     from edgefinfer.runtime.decode import generate_tokens
 
     stats = GenerationStats()

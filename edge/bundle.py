@@ -25,7 +25,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from edgefinfer.checkpoint import atomic_dir
+from edgefinfer.atomic import atomic_dir
 from edgefinfer.errors import UserError
 
 FORMAT = "edgefinfer-bundle"

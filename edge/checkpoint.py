@@ -8,17 +8,14 @@ interrupted save never leaves a half-written checkpoint at the destination.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from edgefinfer.atomic import atomic_dir
 from edgefinfer.config import ModelConfig
 from edgefinfer.errors import UserError
 from edgefinfer.model import Transformer, rope_inv_freq
@@ -137,30 +134,6 @@ def write_side_files(folder: Path, tokenizer_dir: str | Path | None, extra_files
                 shutil.copyfile(src, folder / name)
     for name, text in (extra_files or {}).items():
         (folder / name).write_text(text)
-
-
-@contextmanager
-def atomic_dir(dest: Path) -> Iterator[Path]:
-    """Yield a temporary folder beside `dest`; on success it replaces `dest`, on failure it is removed."""
-    dest = Path(dest)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
-    try:
-        yield tmp
-        # mkdtemp makes the folder private (0700); a model or bundle folder is meant to be shared.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)
-        if dest.exists():
-            old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
-            os.replace(dest, old)
-            os.replace(tmp, dest)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def _write_weights(state: dict[str, torch.Tensor], folder: Path, max_shard_bytes: int | None) -> None:

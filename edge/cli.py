@@ -122,7 +122,7 @@ def _sampling_options(f):
 def _generate_with_engine(engine, prompt: str, chat: bool, max_tokens: int, temperature: float,
                           top_k: int | None, top_p: float | None, repetition_penalty: float, seed: int | None,
                           stop: tuple[str, ...], stream: bool) -> None:
-    from edgefinfer.generate import Generation
+    from edgefinfer.generation import Generation
     from edgefinfer.sampling import SamplingParams
 
     params = SamplingParams(temperature, top_k, top_p, repetition_penalty, seed)

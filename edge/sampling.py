@@ -3,16 +3,21 @@
 Pure functions on tensors. `logits_to_probs` is the one definition of "the distribution we sample
 from"; speculative decoding's verifier uses the same function for target and draft, which is what
 makes rejection sampling lossless.
+
+torch is imported by the functions that use it, not by the module: `SamplingParams` and greedy
+decoding must not load torch, so that the runtime's ONNX Runtime and llama.cpp paths run without it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING
 
 from edgefinfer.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
+    from torch import Tensor
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,8 @@ def apply_repetition_penalty(logits: Tensor, previous_tokens: Tensor, penalty: f
 
     logits: [..., V]; previous_tokens: [..., N] token ids already in the context.
     """
+    import torch
+
     if penalty == 1.0 or previous_tokens.numel() == 0:
         return logits
     seen = logits.gather(-1, previous_tokens)
@@ -56,6 +63,8 @@ def logits_to_probs(logits: Tensor, temperature: float = 1.0, top_k: int | None 
 
     temperature 0 means greedy and returns the one-hot distribution of the argmax.
     """
+    import torch
+
     if temperature == 0.0:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(torch.float32)
     logits = logits.float() / temperature
@@ -74,6 +83,8 @@ def logits_to_probs(logits: Tensor, temperature: float = 1.0, top_k: int | None 
 
 def sample_from_probs(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
     """Draw one token per row: probs [..., V] -> ids [...]."""
+    import torch
+
     flat = probs.reshape(-1, probs.shape[-1])
     ids = torch.multinomial(flat, 1, generator=generator)
     return ids.reshape(probs.shape[:-1])

@@ -16,18 +16,27 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import numpy as np
-import torch
 
 from edgefinfer.errors import UserError
-from edgefinfer.generate import GenerationStats
+from edgefinfer.generation import GenerationStats
 from edgefinfer.runtime.backends.base import Backend
 from edgefinfer.runtime.speculative.adaptive import AdaptiveK
-from edgefinfer.runtime.speculative.proposers import Proposer
-from edgefinfer.runtime.speculative.verify import SpecStats, verify
-from edgefinfer.sampling import SamplingParams, next_token
+from edgefinfer.sampling import SamplingParams
+
+if TYPE_CHECKING:  # torch is loaded only for sampling with temperature, penalties or speculation
+    import torch
+
+    from edgefinfer.runtime.speculative.proposers import Proposer
+    from edgefinfer.runtime.speculative.verify import SpecStats
+
+
+def _new_spec_stats() -> SpecStats:
+    from edgefinfer.runtime.speculative.verify import SpecStats
+
+    return SpecStats()
 
 
 @dataclass
@@ -37,14 +46,28 @@ class Speculation:
     proposer: Proposer
     k: int = 4
     adaptive: AdaptiveK | None = None
-    stats: SpecStats = field(default_factory=SpecStats)
+    stats: SpecStats = field(default_factory=_new_spec_stats)
 
 
 def sample_row(logits: np.ndarray, params: SamplingParams, context: Sequence[int],
                generator: torch.Generator | None) -> int:
     """One token from one row of logits [V] (repetition penalty against `context`)."""
+    if params.greedy and params.repetition_penalty == 1.0:
+        return int(np.argmax(logits))  # the first maximum, as torch.argmax
+    import torch
+
+    from edgefinfer.sampling import next_token
+
     history = torch.tensor([list(context)]) if params.repetition_penalty != 1.0 else None
     return int(next_token(torch.from_numpy(np.asarray(logits))[None], params, history, generator)[0])
+
+
+def _generator(params: SamplingParams) -> torch.Generator | None:
+    if params.seed is None or params.greedy:
+        return None  # greedy decoding draws nothing
+    import torch
+
+    return torch.Generator().manual_seed(params.seed)
 
 
 def generate_tokens(backend: Backend, prompt_ids: Sequence[int], max_new_tokens: int,
@@ -62,7 +85,7 @@ def generate_tokens(backend: Backend, prompt_ids: Sequence[int], max_new_tokens:
         raise UserError("speculative decoding does not support repetition_penalty != 1 yet; drop one of them")
     stats = stats if stats is not None else GenerationStats()
     stats.prompt_tokens = len(prompt_ids)
-    generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+    generator = _generator(params)
     stop = set(stop_ids)
     backend.reset()
 
@@ -110,6 +133,10 @@ def _draft_len(speculation: Speculation | None, k_state, remaining: int) -> int:
 def _verify_round(backend: Backend, context: list[int], draft, params: SamplingParams,
                   generator: torch.Generator | None, speculation: Speculation) -> list[int]:
     """One target call over `[last] + drafts`; returns the accepted drafts plus the target's token."""
+    import torch
+
+    from edgefinfer.runtime.speculative.verify import verify
+
     start = len(context) - 1
     logits = torch.from_numpy(np.ascontiguousarray(backend.forward([context[-1], *draft.tokens], start)))
     result = verify(draft.tokens, draft.probs, logits, params, generator)  # [k+1, V] rows

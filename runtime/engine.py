@@ -21,7 +21,7 @@ from typing import Callable, Iterator
 import psutil
 
 from edgefinfer.errors import UserError
-from edgefinfer.generate import Generation, detokenize, encode_prompt
+from edgefinfer.generation import Generation, detokenize, encode_prompt
 from edgefinfer.runtime.backends.base import UNBOUNDED, Backend
 from edgefinfer.runtime.decode import Speculation, generate_tokens
 from edgefinfer.sampling import SamplingParams

@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from edgefinfer.generate import StopStringMatcher
+from edgefinfer.generation import StopStringMatcher
 from edgefinfer.runtime.speculative.adaptive import KState
 from edgefinfer.runtime.speculative.proposers import Proposer
 from edgefinfer.sampling import SamplingParams

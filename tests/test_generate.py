@@ -4,7 +4,8 @@ import torch
 import pytest
 
 from edgefinfer.errors import UserError
-from edgefinfer.generate import StopStringMatcher, generate_ids, generate_text, stream_text
+from edgefinfer.generate import generate_ids, generate_text, stream_text
+from edgefinfer.generation import StopStringMatcher
 from edgefinfer.sampling import SamplingParams, apply_repetition_penalty, logits_to_probs, next_token
 from edgefinfer.tokenizer import IncrementalDecoder, Tokenizer
 from tests.helpers import tiny_model, tiny_tokenizer

@@ -24,7 +24,8 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from edgefinfer.checkpoint import atomic_dir, load_config, load_state_dict, write_side_files
+from edgefinfer.atomic import atomic_dir
+from edgefinfer.checkpoint import load_config, load_state_dict, write_side_files
 from edgefinfer.compile.quant.apply import LM_HEAD, set_module
 from edgefinfer.compile.quant.modules import Fp8Linear, QuantEmbedding, QuantLinear, tied_head
 from edgefinfer.compile.quant.recipe import QuantRecipe, WeightFormat
