@@ -83,8 +83,11 @@ class WindowedKV:
         rollback into the step can restore them (one copy of G rows per compaction)."""
         self._saved_span = None
         evicted = min(self.first_position(start + n) - self.first_position(start), self.rows(start))
-        if start == 0 or evicted == 0:
-            return  # nothing evicted, or a prefill from 0 (a rollback to its start is a reset)
+        if start == 0 or evicted == 0 or n > self.window:
+            # Nothing evicted; a prefill from 0 (a rollback to its start is a reset); or a chunk
+            # longer than the window, which evicts its own tokens and is never rolled back (the
+            # Engine caps speculative steps at the window, `OrtBackend.max_draft_tokens`).
+            return
         if self._saved is None or self._saved.shape[3] < evicted:  # sized by the longest step seen
             b0 = self.buffers[0]
             self._saved = np.empty((len(self.buffers),) + b0.shape[:2] + (evicted, b0.shape[3]), b0.dtype)
