@@ -4,6 +4,7 @@ must return exactly what eager decoding (`edgefinfer.generate.generate_ids`) ret
 from __future__ import annotations
 
 import threading
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -21,6 +22,16 @@ from edgefinfer.runtime.speculative.proposers import PromptLookupProposer
 from tests.helpers import tiny_model, tiny_tokenizer
 
 BS = 4
+
+
+@contextmanager
+def running(engine: Engine):
+    """The engine's step loop, stopped however the test ends."""
+    engine.start()
+    try:
+        yield engine
+    finally:
+        engine.stop()
 
 
 @pytest.fixture(scope="module")
@@ -95,15 +106,12 @@ def test_concurrent_chunked_prefill_equals_eager(model, tokenizer):
     # Prompts longer than the chunk (8) and the step budget (24) are split over several steps while
     # others decode; every sequence must still produce eager decoding's tokens.
     engine = make_engine(model, tokenizer)
-    engine.start()
-    try:
+    with running(engine):
         prompts = prompts_of([3, 11, 30, 17, 1, 25])
         out = run(engine, prompts, GenerationParams(max_tokens=12))
         for p, r in zip(prompts, out):
             assert r[0] == eager(model, p, 12)
         assert wait_idle(engine)["kv_used"] == 0
-    finally:
-        engine.stop()
 
 
 def test_manager_holds_exactly_the_fed_tokens(model, tokenizer):
@@ -127,22 +135,18 @@ def test_preemption_by_recompute_keeps_outputs_exact(model, tokenizer):
     # 14 blocks of 4 tokens hold two of these sequences, not four: the scheduler must preempt
     # (free and later recompute) and still return eager decoding's tokens.
     engine = make_engine(model, tokenizer, num_blocks=14, prefix_caching=False)
-    engine.start()
-    try:
+    with running(engine):
         prompts = prompts_of([9, 10, 11, 12], seed=3)
         out = run(engine, prompts, GenerationParams(max_tokens=16))
         for p, r in zip(prompts, out):
             assert r[0] == eager(model, p, 16)
         assert engine.metrics.counters[("preemptions_total", ())] > 0
         assert wait_idle(engine)["kv_used"] == 0
-    finally:
-        engine.stop()
 
 
 def test_prefix_cache_hit_and_parallel_sampling_fork(model, tokenizer):
     engine = make_engine(model, tokenizer)
-    engine.start()
-    try:
+    with running(engine):
         prefix = prompts_of([16], seed=5)[0]
         a, b = prefix + [1, 2, 3], prefix + [4, 5]
         run(engine, [a], GenerationParams(max_tokens=4))
@@ -159,15 +163,12 @@ def test_prefix_cache_hit_and_parallel_sampling_fork(model, tokenizer):
         (s2,) = run(engine, [a], sampled)
         assert s1 == s2 and len({tuple(v) for v in s1.values()}) > 1
         assert wait_idle(engine)["kv_used"] == 0
-    finally:
-        engine.stop()
 
 
 def test_speculative_prompt_lookup_is_lossless(model, tokenizer):
     spec = SpeculationConfig(lambda seq_id: PromptLookupProposer(max_ngram=3), k_max=4, adaptive=False)
     engine = make_engine(model, tokenizer, speculation=spec)
-    engine.start()
-    try:
+    with running(engine):
         # Repetitive prompts give the lookup something to propose.
         prompts = [[5, 6, 7, 8] * 5, [9, 10, 11] * 6, prompts_of([12], seed=9)[0]]
         out = run(engine, prompts, GenerationParams(max_tokens=20))
@@ -177,14 +178,11 @@ def test_speculative_prompt_lookup_is_lossless(model, tokenizer):
         accepted = engine.metrics.counters[("spec_accepted_tokens_total", ())]
         assert drafted > 0 and accepted > 0
         assert wait_idle(engine)["kv_used"] == 0
-    finally:
-        engine.stop()
 
 
 def test_abort_frees_blocks_at_once(model, tokenizer):
     engine = make_engine(model, tokenizer)
-    engine.start()
-    try:
+    with running(engine):
         first = threading.Event()
         results: list[RequestOutput] = []
 
@@ -199,14 +197,11 @@ def test_abort_frees_blocks_at_once(model, tokenizer):
         assert snap["kv_used"] == 0 and snap["running"] == 0
         assert not results[-1].finished  # it was cut short, never completed
         assert engine.metrics.counters[("requests_total", (("finish_reason", "abort"),))] == 1
-    finally:
-        engine.stop()
 
 
 def test_stop_string_and_length_finish(model, tokenizer):
     engine = make_engine(model, tokenizer)
-    engine.start()
-    try:
+    with running(engine):
         prompt = prompts_of([6], seed=11)[0]
         ids = eager(model, prompt, 12)
         full = tokenizer.decode(ids)
@@ -220,8 +215,6 @@ def test_stop_string_and_length_finish(model, tokenizer):
         deltas.clear()
         run(engine, [prompt], GenerationParams(max_tokens=5), on_output=lambda i, out: deltas.extend(out.deltas))
         assert deltas[-1].finish_reason == "length" and sum(len(d.token_ids) for d in deltas) == 5
-    finally:
-        engine.stop()
 
 
 def test_step_cost_model_turns_speculation_off_under_load():
@@ -259,8 +252,7 @@ def test_prometheus_exposition():
 
 def test_logprobs_match_log_softmax(model, tokenizer):
     engine = make_engine(model, tokenizer)
-    engine.start()
-    try:
+    with running(engine):
         prompt = prompts_of([5], seed=13)[0]
         got: list = []
         run(engine, [prompt], GenerationParams(max_tokens=1, logprobs=3),
@@ -271,5 +263,3 @@ def test_logprobs_match_log_softmax(model, tokenizer):
         assert lp.token_id == int(ref.argmax()) and lp.logprob == pytest.approx(float(ref.max()), abs=1e-5)
         assert [t for t, _ in lp.top] == ref.topk(3).indices.tolist()
         assert np.allclose([v for _, v in lp.top], ref.topk(3).values.numpy(), atol=1e-5)
-    finally:
-        engine.stop()
