@@ -47,6 +47,11 @@ def median_time(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
+def median_of(fn: Callable[[], float], repeats: int) -> float:
+    """Median of what `repeats` calls return (runs that time their own inner part); no warm-up."""
+    return sorted(fn() for _ in range(repeats))[repeats // 2]
+
+
 def write_results(name: str, payload: dict) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, median_time, print_table, versions, write_results  # noqa: E402
+from common import machine, median_of, median_time, print_table, versions, write_results  # noqa: E402
 
 
 def f16_gguf(src: Path, dest: Path) -> Path:
@@ -59,7 +59,7 @@ def bench_eager(folder: Path, prompt: list[int], n_decode: int, repeats: int) ->
 
     prefill_s = median_time(run_prefill, repeats)
     run_decode()
-    decode_s = sorted(run_decode() for _ in range(repeats))[repeats // 2]
+    decode_s = median_of(run_decode, repeats)
     return {"engine": "edgefinfer eager (fp32)", "prefill_tok_s": len(prompt) / prefill_s,
             "decode_tok_s": n_decode / decode_s}
 
@@ -80,8 +80,8 @@ def bench_transformers(folder: Path, prompt: list[int], n_decode: int, repeats: 
 
         gen(2)
         # generate() = prefill + (n - 1) decode steps: subtract a 1-token run to isolate decoding.
-        one = sorted(gen(1) for _ in range(repeats))[repeats // 2]
-        full = sorted(gen(n_decode + 1) for _ in range(repeats))[repeats // 2]
+        one = median_of(lambda: gen(1), repeats)
+        full = median_of(lambda: gen(n_decode + 1), repeats)
     return {"engine": "transformers generate (fp32)", "prefill_tok_s": len(prompt) / prefill_s,
             "decode_tok_s": n_decode / (full - one)}
 
@@ -107,7 +107,7 @@ def bench_llamacpp(gguf: Path, prompt: list[int], n_decode: int, repeats: int, t
 
     prefill_s = median_time(run_prefill, repeats)
     run_decode()
-    decode_s = sorted(run_decode() for _ in range(repeats))[repeats // 2]
+    decode_s = median_of(run_decode, repeats)
     return {"engine": "llama.cpp (F16 GGUF)", "prefill_tok_s": len(prompt) / prefill_s,
             "decode_tok_s": n_decode / decode_s}
 
