@@ -122,7 +122,7 @@ def main() -> None:
           f"{ort['ortgenai_int4_ms_per_token']:.2f} ms/token (ratio {ort['ratio_wall']:.3f})")
     gguf = gguf_vs_llamacpp_quantizer(folder, work / "gguf-peer", eval_tokens, args.threads)
     print(f"GGUF Q8_0: {gguf}")
-    path = write_results("build", {
+    path = write_results("build", quick=args.quick, payload={
         "rows": rows,
         "onnx_int4_ms_per_token": ort["onnx_int4_ms_per_token"],
         "ortgenai_int4_ms_per_token": ort["ortgenai_int4_ms_per_token"],

@@ -52,9 +52,15 @@ def median_of(fn: Callable[[], float], repeats: int) -> float:
     return sorted(fn() for _ in range(repeats))[repeats // 2]
 
 
-def write_results(name: str, payload: dict) -> Path:
+def result_stem(name: str, quick: bool) -> str:
+    """File stem of a benchmark's results: a --quick run writes beside the committed full run's
+    files (`<name>-quick.*`, ignored by git) instead of over them."""
+    return f"{name}-quick" if quick else name
+
+
+def write_results(name: str, payload: dict, quick: bool = False) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
+    path = RESULTS / f"{result_stem(name, quick)}.json"
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(payload, indent=2) + "\n")
     os.replace(tmp, path)

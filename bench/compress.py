@@ -10,7 +10,7 @@ The distilled student is saved as a draft model (`$EDGEFINFER_CACHE/models/smoll
 and its greedy acceptance rate against the teacher is measured two ways: teacher-forced top-1
 agreement, and real k=4 greedy speculative decoding on prompts from the test text.
 
-Writes bench/results/compress.json (--quick too, with "quick": true in the settings).
+Writes bench/results/compress.json (--quick: compress-quick.json, ignored by git).
 """
 
 from __future__ import annotations
@@ -195,7 +195,7 @@ def main() -> None:
     print_table(rows, columns)
     print(f"draft: teacher-forced greedy agreement {agree.top1:.3f} over {agree.positions} tokens; "
           f"k=4 speculation acceptance {spec['acceptance_rate']:.3f}, {spec['tokens_per_teacher_step']:.2f} tokens/step")
-    path = write_results("compress", {
+    path = write_results("compress", quick=args.quick, payload={
         "dense_test_ppl": dense_row["test_ppl"],
         "rows": rows,
         "draft_acceptance_rate": round(agree.top1, 4),

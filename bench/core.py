@@ -149,7 +149,7 @@ def main() -> None:
         r["prefill_vs_eager"] = r["prefill_tok_s"] / by["eager"]["prefill_tok_s"]
     print_table(rows, ["engine", "prefill_tok_s", "decode_tok_s", "prefill_vs_eager", "decode_vs_eager"])
     print(f"reference test perplexity: {ppl.ppl:.3f} over {ppl.tokens} tokens (window 512, stride 256)")
-    path = write_results("core", {
+    path = write_results("core", quick=args.quick, payload={
         "eager_decode_tok_s": by["eager"]["decode_tok_s"],
         "eager_prefill_tok_s": by["eager"]["prefill_tok_s"],
         "transformers_decode_tok_s": by["transformers"]["decode_tok_s"],

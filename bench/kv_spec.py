@@ -116,7 +116,7 @@ def main() -> None:
     spec = speculative(folder, draft, 48 if args.quick else 160, args.threads)
     print_table(spec["spec_rows"], ["mode", "decode_tok_s", "speedup", "acceptance", "tokens"])
     out.update(spec)
-    path = write_results("kv_spec", {
+    path = write_results("kv_spec", quick=args.quick, payload={
         **out,
         "settings": {"quick": args.quick, "block_size": block_size, "max_len": max_len, "kv_budget_tokens": budget,
                      "num_sequences": len(lengths), "length_distribution": "lognormal(5.7, 0.9) clipped to [8, 2048]",

@@ -256,7 +256,7 @@ def main() -> None:
         "versions": versions("torchao", "numpy", "safetensors", "gguf", "onnxruntime"),
         "wall_seconds": time.perf_counter() - t0,
     }
-    path = write_results("quantize-quick" if args.quick else "quantize", payload)
+    path = write_results("quantize", payload, quick=args.quick)
     cols = ["model", "recipe", "size_bytes", "size_pct_fp16", "test_ppl", "ppl_increase_pct", "kl_to_float",
             "top1_agreement", "quantize_s", "skipped"]
     print_table([{**r, "skipped": (r.get("skipped") or "")[:40] or None} for r in rows], cols)

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, machine, print_table, versions, write_results  # noqa: E402
+from common import RESULTS, machine, print_table, versions, result_stem, write_results  # noqa: E402
 
 HERE = Path(__file__).resolve()
 
@@ -283,8 +283,8 @@ def main() -> None:
     print_table(rows, ["engine", "backend", "quant", "decode_tok_s", "prefill_tok_s", "ttft_s", "rss_mb",
                        "python_overhead", "of_roofline"])
     print(f"memory bandwidth {bandwidth:.1f} GB/s; int4 (Q4_0) roofline {roofline:.0f} tok/s")
-    plot(rows, roofline, RESULTS / "runtime.png")
-    path = write_results("runtime", {
+    plot(rows, roofline, RESULTS / f"{result_stem('runtime', args.quick)}.png")
+    path = write_results("runtime", quick=args.quick, payload={
         "rows": rows, "roofline_tok_s": roofline, "memory_bandwidth_gb_s": bandwidth, "weight_bytes": weights,
         "settings": {"quick": args.quick, "prompt_tokens": prompt_len, "decode_tokens": n, "batch": 1,
                      "greedy": True, "each_engine_in_its_own_process": True},

@@ -32,7 +32,7 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.common import RESULTS, machine, print_table, versions, write_results  # noqa: E402
+from bench.common import RESULTS, machine, print_table, versions, result_stem, write_results  # noqa: E402
 
 PROMPTS = [
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -270,10 +270,11 @@ def main() -> None:
                "threads": args.threads, "model": gguf.name, "max_tokens": max_tokens, "quick": args.quick,
                "kv_dtype": "f32 (both)", "versions": versions("llama-cpp-python", "fastapi", "uvicorn", "httpx"),
                "elapsed_s": round(time.time() - t0, 1)}
-    path = write_results(args.out, payload)
-    plot(rows, RESULTS / f"{args.out}.png")
+    path = write_results(args.out, payload, quick=args.quick)
+    png = RESULTS / f"{result_stem(args.out, args.quick)}.png"
+    plot(rows, png)
     print_table(rows, ["server", "concurrency", "speculative", "tok_s", "ttft_p50_s", "ttft_p99_s", "requests"])
-    print(f"summary {summary}\nwrote {path} and {RESULTS / (args.out + '.png')}")
+    print(f"summary {summary}\nwrote {path} and {png}")
 
 
 if __name__ == "__main__":

@@ -140,7 +140,7 @@ def main() -> None:
                "versions": versions("onnxruntime", "executorch")}
     if not args.quick:
         plot(rows, window, RESULTS / "window_stream.png")
-    print(write_results("window_stream" + ("_quick" if args.quick else ""), payload))
+    print(write_results("window_stream", payload, quick=args.quick))
 
 
 if __name__ == "__main__":
