@@ -204,7 +204,8 @@ class Engine:
         limit = getattr(be, "max_draft_tokens", None)
         if spec is not None and limit is not None and spec.k > limit:
             raise UserError(f"this window cache can roll back at most {limit} speculative tokens per step "
-                            f"(K={spec.k}); lower K or use a window cache with more lookahead slots")
+                            f"(K={spec.k}); lower K, or rebuild with a larger window (ONNX: K < window) or lookahead "
+                            "(ExecuTorch: K <= lookahead)")
         speculation = _speculation(spec, be, kv, threads) if spec is not None else None
         return cls(be, tok, info["eos_ids"], speculation, info)
 
