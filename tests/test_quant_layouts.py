@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from edgefinfer.compile.quant.layouts import (matmulnbits_reference, to_gguf_q4_0, to_gguf_q8_0, to_matmulnbits,
-                                              to_torchao, torchao_model)
+from edgefinfer.compile.quant.layouts import (matmulnbits_reference, to_gguf_q4_0, to_gguf_q4_1, to_gguf_q8_0,
+                                              to_matmulnbits, to_torchao, torchao_model)
 from edgefinfer.compile.quant.modules import QuantLinear
 from edgefinfer.compile.quant.primitives import quantize_int
 from edgefinfer.compile.quant.recipe import WeightFormat, parse_recipe
@@ -36,6 +36,17 @@ def test_q4_0_bytes_decode_to_our_weights():
     assert np.array_equal(deq, m.dequantized().numpy())
 
 
+def test_q4_1_bytes_decode_to_our_asymmetric_weights():
+    """Q4_1 decodes nibble * d + m: with d our scale and m = -d * (zero + 8), bit for bit ours."""
+    gguf = pytest.importorskip("gguf")
+    m = qlinear(WeightFormat("int", 4, 32, False), n=512)
+    assert (m.zeros != 0).any()  # really asymmetric
+    raw = to_gguf_q4_1(m)
+    assert raw.dtype == np.uint8 and raw.shape == (512, 256 // 32 * 20)
+    deq = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_1)
+    assert np.array_equal(deq, m.dequantized().numpy())
+
+
 def test_q8_0_bytes_decode_to_our_weights():
     gguf = pytest.importorskip("gguf")
     m = qlinear(WeightFormat("int", 8, 32, True))
@@ -60,7 +71,9 @@ def test_q4_0_layout_matches_gguf_quantizer_on_its_own_grid():
 @pytest.mark.parametrize("fmt,fn", [(WeightFormat("int", 4, 32, False), to_gguf_q4_0),
                                     (WeightFormat("int", 4, 64, True), to_gguf_q4_0),
                                     (WeightFormat("int", 8, None, True), to_gguf_q8_0),
-                                    (WeightFormat("int", 4, 32, True), to_gguf_q8_0)])
+                                    (WeightFormat("int", 4, 32, True), to_gguf_q8_0),
+                                    (WeightFormat("int", 4, 32, True), to_gguf_q4_1),
+                                    (WeightFormat("int", 4, 64, False), to_gguf_q4_1)])
 def test_gguf_refuses_formats_it_cannot_hold(fmt, fn):
     with pytest.raises(UserError, match="symmetric .*blocks of 32.*recipe int"):
         fn(qlinear(fmt))

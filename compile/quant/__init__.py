@@ -15,8 +15,8 @@ from typing import Any
 # torch in; each name loads its module on first use.
 _EXPORTS = {
     "apply": ("QuantResult", "plan_formats", "quantize_model"),
-    "layouts": ("MatMulNBitsWeights", "matmulnbits_reference", "to_gguf_q4_0", "to_gguf_q8_0", "to_matmulnbits",
-                "to_torchao", "torchao_model"),
+    "layouts": ("MatMulNBitsWeights", "matmulnbits_reference", "to_gguf_q4_0", "to_gguf_q4_1", "to_gguf_q8_0",
+                "to_matmulnbits", "to_torchao", "torchao_model"),
     "modules": ("Fp8Linear", "QuantEmbedding", "QuantLinear", "model_size_bytes"),
     "recipe": ("RECIPE_NAMES", "RECIPES", "QuantRecipe", "WeightFormat", "parse_recipe"),
 }

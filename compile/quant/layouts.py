@@ -12,10 +12,12 @@ against gguf-py's dequantizer, onnxruntime's MatMulNBits kernel and torchao's te
     zero_points  uint8 [N, ceil(k_blocks * bits / 8)], unsigned, packed the same way; omitted when
                  every zero point is 2^(bits-1), ORT's default (our symmetric formats);
     y = A @ ((code - zero_point) * scale)^T, block_size a power of two >= 16.
-* GGUF `Q4_0` / `Q8_0` (`to_gguf_q4_0`, `to_gguf_q8_0`): blocks of 32 along K, each an fp16 `d`
-  followed by the codes: Q4_0 stores 16 bytes, byte j = (q[j] + 8) | (q[j + 16] + 8) << 4 and
-  decodes (nibble - 8) * d; Q8_0 stores 32 int8 and decodes q * d. Only symmetric group-32 formats
-  map (zero point 0); others raise a UserError naming the recipe that fits.
+* GGUF `Q4_0` / `Q4_1` / `Q8_0` (`to_gguf_q4_0`, `to_gguf_q4_1`, `to_gguf_q8_0`): blocks of 32 along K,
+  each an fp16 `d` followed by the codes: Q4_0 stores 16 bytes, byte j = (q[j] + 8) | (q[j + 16] + 8) << 4
+  and decodes (nibble - 8) * d; Q4_1 stores d, an fp16 `m`, then the same 16 bytes, and decodes
+  nibble * d + m, so asymmetric codes map with m = -d * (zero + 8) (exact: `primitives` chooses such
+  scales); Q8_0 stores 32 int8 and decodes q * d. Only group-32 formats map (int4 either way, int8
+  symmetric); others raise a UserError naming the recipe that fits.
 * torchao / ExecuTorch XNNPACK 8da4w (`to_torchao`, `torchao_model`): `IntxUnpackedToInt8Tensor`
   holds the same int8 codes, scales and int8 zero points; with `act_quant` it carries
   `int8_asym_per_token` activation quantization, which XNNPACK lowers to its dynamically quantized
@@ -105,35 +107,70 @@ def matmulnbits_reference(w: MatMulNBitsWeights) -> np.ndarray:
     return deq.reshape(N, k_blocks * g)[:, : w.K]
 
 
-# ---- GGUF Q4_0 / Q8_0 ---------------------------------------------------------------------------------
+# ---- GGUF Q4_0 / Q4_1 / Q8_0 ------------------------------------------------------------------------
 
-def _check_gguf(module: _IntStorage, bits: int, type_name: str) -> None:
+# GGUF type -> (bits, symmetric, the recipe that produces it).
+GGUF_FORMATS = {"Q4_0": (4, True, "int4-g32-sym"), "Q4_1": (4, False, "int4-g32"), "Q8_0": (8, True, "int8-g32")}
+
+
+def gguf_type_of(fmt, group_size: int | None) -> str | None:
+    """The GGUF type holding a layer of format `fmt` bit for bit, or None."""
+    if fmt is None or fmt.kind != "int" or group_size != GGUF_BLOCK:
+        return None
+    return next((t for t, (bits, sym, _) in GGUF_FORMATS.items() if (bits, sym) == (fmt.bits, fmt.symmetric)), None)
+
+
+def _check_gguf(module: _IntStorage, type_name: str) -> None:
+    bits, symmetric, recipe = GGUF_FORMATS[type_name]
     fmt = module.fmt
-    if fmt.kind != "int" or fmt.bits != bits or not fmt.symmetric or module.group_size != GGUF_BLOCK:
-        recipe = "int4-g32-sym" if bits == 4 else "int8-g32"
-        raise UserError(f"GGUF {type_name} is symmetric {bits}-bit in blocks of 32; this layer is "
-                        f"{fmt.label()}: quantize with recipe {recipe} (or let the GGUF exporter re-quantize)")
+    if gguf_type_of(fmt, module.group_size) != type_name:
+        kind = "symmetric" if symmetric else "asymmetric"
+        raise UserError(f"GGUF {type_name} is {kind} {bits}-bit in blocks of 32; this layer is "
+                        f"{fmt.label()}: quantize with recipe {recipe}")
+
+
+def _nibbles(module: _IntStorage) -> np.ndarray:
+    """uint8 [N, K / 32, 16]: unsigned 4-bit codes, byte j = q[j] | q[j + 16] << 4 (ggml's order)."""
+    N, K = module.qweight.shape
+    q = (module.qweight.numpy().astype(np.int16) + 8).astype(np.uint8).reshape(N, K // GGUF_BLOCK, GGUF_BLOCK)
+    return q[..., :16] | (q[..., 16:] << 4)
+
+
+def _fp16_bytes(values: torch.Tensor | np.ndarray, n: int, nb: int) -> np.ndarray:
+    return np.asarray(values, dtype=np.float32).astype(np.float16).reshape(n, nb, 1).view(np.uint8)  # [N, nb, 2]
 
 
 def to_gguf_q4_0(module: _IntStorage) -> np.ndarray:
     """uint8 [N, K / 32 * 18]: the tensor's bytes as gguf-py's `quantize(..., Q4_0)` lays them out."""
-    _check_gguf(module, 4, "Q4_0")
+    _check_gguf(module, "Q4_0")
     N, K = module.qweight.shape
     nb = K // GGUF_BLOCK
-    q = (module.qweight.numpy().astype(np.int16) + 8).astype(np.uint8).reshape(N, nb, GGUF_BLOCK)
-    qs = q[..., :16] | (q[..., 16:] << 4)  # [N, nb, 16]
-    d = module.scales.numpy().astype(np.float16).reshape(N, nb, 1).view(np.uint8)  # [N, nb, 2]
-    return np.concatenate([d, qs], -1).reshape(N, nb * 18)
+    return np.concatenate([_fp16_bytes(module.scales.numpy(), N, nb), _nibbles(module)], -1).reshape(N, nb * 18)
+
+
+def to_gguf_q4_1(module: _IntStorage) -> np.ndarray:
+    """uint8 [N, K / 32 * 20]: d, m = -d * (zero + 8), then the nibbles; decodes nibble * d + m,
+    which is (code - zero) * d exactly because m is an fp16 value (checked: a scale chosen elsewhere
+    could break it, and then the file would not hold our weights)."""
+    _check_gguf(module, "Q4_1")
+    N, K = module.qweight.shape
+    nb = K // GGUF_BLOCK
+    d = module.scales.float()
+    m = -d * (module.zeros.float() + 8)
+    if not torch.equal(m.half().float(), m):
+        raise UserError("these asymmetric int4 scales cannot hold their zero point in GGUF Q4_1's fp16 minimum; "
+                        "re-quantize with this version of edgefinfer (it chooses scales that can)")
+    return np.concatenate([_fp16_bytes(d.numpy(), N, nb), _fp16_bytes(m.numpy(), N, nb), _nibbles(module)],
+                          -1).reshape(N, nb * 20)
 
 
 def to_gguf_q8_0(module: _IntStorage) -> np.ndarray:
     """uint8 [N, K / 32 * 34]: fp16 d then 32 int8 codes per block."""
-    _check_gguf(module, 8, "Q8_0")
+    _check_gguf(module, "Q8_0")
     N, K = module.qweight.shape
     nb = K // GGUF_BLOCK
     qs = module.qweight.numpy().astype(np.int8).reshape(N, nb, GGUF_BLOCK).view(np.uint8)
-    d = module.scales.numpy().astype(np.float16).reshape(N, nb, 1).view(np.uint8)
-    return np.concatenate([d, qs], -1).reshape(N, nb * 34)
+    return np.concatenate([_fp16_bytes(module.scales.numpy(), N, nb), qs], -1).reshape(N, nb * 34)
 
 
 # ---- torchao (ExecuTorch / XNNPACK) ------------------------------------------------------------------

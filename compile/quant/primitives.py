@@ -15,7 +15,10 @@ Conventions (shared by every method and every exporter, see docs/QUANTIZATION.md
   Symmetric codes below 8 bits use the whole [-2^(b-1), 2^(b-1)-1] range with the smallest scale that
   clips nothing: max(max_pos / qmax, min_neg / qmin), so int4 reaches -8 like GGUF Q4_0.
 * Asymmetric: scale = (max_pos - min_neg) / (qmax - qmin), an integer zero point in [qmin, qmax]; the
-  range always contains 0, so zero is exact (padding and ReLU-like zeros stay zero).
+  range always contains 0, so zero is exact (padding and ReLU-like zeros stay zero). Up to 4 bits the
+  scale is then bumped up (a few fp16 steps at most, `exact_offset_scale`) until d * (zero + 2^(b-1)) is
+  an fp16 value too, so that GGUF's Q4_1 (x = d * q + m, fp16 d and m = -d * zero) holds exactly these
+  weights: an fp16 d times a 4-bit integer needs up to 15 significant bits, fp16 has 11.
 
 Every rounding error is therefore at most scale / 2 (plus the fp16 rounding of the scale itself).
 """
@@ -82,6 +85,37 @@ def choose_qparams(w: Tensor, bits: int, symmetric: bool, scale_dtype: str = "fl
         return scale, torch.zeros_like(scale)
     scale = round_scale((max_pos - min_neg) / (qmax - qmin), scale_dtype)
     zero = (qmin - torch.round(min_neg / scale)).clamp(qmin, qmax)
+    if bits <= 4:
+        scale, zero = exact_offset_scale(scale, min_neg, bits, scale_dtype)
+    return scale, zero
+
+
+def exact_offset_scale(scale: Tensor, min_neg: Tensor, bits: int, scale_dtype: str = "float16"
+                       ) -> tuple[Tensor, Tensor]:
+    """Asymmetric (scale, zero) with scale * (zero + 2^(b-1)) exact in fp16 (GGUF Q4_1's block minimum).
+
+    Each scale not yet exact moves up one fp16 (bf16) step at a time and its zero point is re-chosen;
+    a scale whose lowest 4 significand bits are zero always works, so 16 steps suffice for 4 bits.
+    A larger scale still covers the group's range, so nothing clips."""
+    qmin, qmax = qrange(bits, False)
+    dtype = _SCALE_DTYPES[scale_dtype][0]
+    offset = 1 << (bits - 1)
+
+    def zero_of(s: Tensor) -> Tensor:
+        return (qmin - torch.round(min_neg / s)).clamp(qmin, qmax)
+
+    def exact(s: Tensor, z: Tensor) -> Tensor:
+        m = s * (z + offset)  # exact in float32: 11 + 4 significant bits
+        return m.half().float() == m
+
+    zero = zero_of(scale)
+    for _ in range(16):
+        todo = ~exact(scale, zero)
+        if not todo.any():
+            break
+        up = (scale.to(dtype).view(torch.int16) + 1).view(dtype).float()  # the next value up (positive)
+        scale = torch.where(todo, up, scale)
+        zero = torch.where(todo, zero_of(scale), zero)
     return scale, zero
 
 
