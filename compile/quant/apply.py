@@ -21,6 +21,7 @@ from edgefinfer.compile.quant.gptq import gptq_quantize
 from edgefinfer.compile.quant.modules import Fp8Linear, QuantEmbedding, QuantLinear, model_size_bytes, tied_head
 from edgefinfer.compile.quant.primitives import IntWeights, quantize_fp8, quantize_int
 from edgefinfer.compile.quant.recipe import QuantRecipe, WeightFormat
+from edgefinfer.compile.quant.rotation import check_rotatable, rotate_model
 from edgefinfer.errors import UserError
 from edgefinfer.model import Transformer
 
@@ -44,7 +45,8 @@ class QuantResult:
 
 def plan_formats(model: Transformer, recipe: QuantRecipe) -> dict[str, WeightFormat | None]:
     """The format of every linear and the embedding, validated against the model's shapes up front
-    (a group size that does not divide a dimension fails before any work is done)."""
+    (a group size that does not divide a dimension fails before any work is done). A rotated recipe
+    unties the head (see rotation.py), so the tied-format check applies only without one."""
     plan: dict[str, WeightFormat | None] = {}
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear):
@@ -57,7 +59,7 @@ def plan_formats(model: Transformer, recipe: QuantRecipe) -> dict[str, WeightFor
         k = model.get_submodule(name).weight.shape[1]
         if fmt.kind == "int":
             fmt.group_for(k, name)
-    if model.config.tie_word_embeddings and plan[EMBEDDING] != plan[LM_HEAD]:
+    if model.config.tie_word_embeddings and recipe.rotation is None and plan[EMBEDDING] != plan[LM_HEAD]:
         label = lambda f: "float" if f is None else f.label()  # noqa: E731
         raise UserError(f"the model ties lm_head to its embeddings, but the recipe gives them different formats "
                         f"({label(plan[EMBEDDING])} vs {label(plan[LM_HEAD])}): give both the same one")
@@ -83,14 +85,21 @@ def quantize_model(model: Transformer, recipe: QuantRecipe, calib: Tensor | None
                    progress: Progress | None = None, batch_size: int = 8) -> QuantResult:
     """Quantize `model` in place. `calib` [N, S] token blocks are needed by GPTQ and AWQ."""
     t0 = time.perf_counter()
+    if recipe.rotation is not None:
+        check_rotatable(model)
     plan = plan_formats(model, recipe)
     say = progress or (lambda _msg: None)
     act_quant = recipe.activations == "int8-per-token"
-    result = QuantResult(recipe, plan, 0.0, 0, model.config.tie_word_embeddings)
     calibrated = recipe.method in ("gptq", "awq")
     if calibrated and (calib is None or calib.numel() == 0):
         raise UserError(f"{recipe.method} needs calibration data, but the calibration set is empty: "
                         "pass calibration blocks (e.g. --calib-blocks 32) or use an RTN recipe")
+    # Rotation first: every method (and the calibration activations) then sees the rotated weights.
+    if recipe.rotation is not None:
+        rot = rotate_model(model, recipe.rotation.kind, recipe.rotation.seed)
+        say(f"[rotation] R1 {rot.residual}, R2 {rot.head} per head, {rot.seconds:.1f}s"
+            + (f"; head untied (+{rot.extra_parameters / 1e6:.1f}M parameters)" if rot.untied else ""))
+    result = QuantResult(recipe, plan, 0.0, 0, model.config.tie_word_embeddings)
 
     # Embeddings first, so calibration activations start from the quantized lookup.
     _quantize_embedding_and_head(model, plan, act_quant)

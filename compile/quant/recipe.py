@@ -2,7 +2,7 @@
 
 A recipe name is a short dash-separated string parsed by `parse_recipe`:
 
-    SCHEME [-METHOD] [-gN | -pc] [-sym | -asym] [-embF]
+    SCHEME [-METHOD] [-gN | -pc] [-sym | -asym] [-embF] [-rot]
 
     SCHEME  int8 | int4 | 8da4w | fp8       (8da4w = int8 dynamic per-token activations, int4 weights)
     METHOD  rtn (default) | gptq (act-order, static groups) | gptq-noact | awq
@@ -10,8 +10,11 @@ A recipe name is a short dash-separated string parsed by `parse_recipe`:
     -sym / -asym   symmetric (zero point 0) or asymmetric (integer zero point) weights
     -embF   embeddings and output head: emb8 (int8 g32 sym), emb4 (int4 g32 sym), embf (kept float);
             defaults: int8 per-row for int8 and 8da4w, emb8 for int4, float for fp8
+    -rot    fuse a randomized Hadamard rotation into the float weights first (QuaRot / SpinQuant R1+R2,
+            see `edgefinfer.compile.quant.rotation`); composes with every method; unties a tied head
 
-Examples: `int8`, `int4-g32`, `int4-awq-g64`, `int4-gptq-g128-sym`, `8da4w-g32`, `fp8`, `int4-g64-emb8`.
+Examples: `int8`, `int4-g32`, `int4-awq-g64`, `int4-gptq-g128-sym`, `8da4w-g32`, `fp8`, `int4-g64-emb8`,
+`int4-gptq-g32-rot`, `8da4w-g32-emb8-rot`.
 `RECIPES` lists the canonical names; any name the grammar accepts works.
 
 Mixed precision is expressed with `overrides` (module-name pattern -> format, or None for float),
@@ -120,6 +123,12 @@ class AWQSettings:
 
 
 @dataclass(frozen=True)
+class RotationSettings:
+    kind: Literal["hadamard", "orthogonal"] = "hadamard"  # orthogonal: Haar-random, the fallback/baseline
+    seed: int = 0  # the random signs (or matrix): fixed, so a recipe always gives the same model
+
+
+@dataclass(frozen=True)
 class QuantRecipe:
     name: str
     weights: WeightFormat
@@ -131,6 +140,7 @@ class QuantRecipe:
     keep_float: tuple[str, ...] = ()  # fnmatch patterns of modules never quantized
     gptq: GPTQSettings = field(default_factory=GPTQSettings)
     awq: AWQSettings = field(default_factory=AWQSettings)
+    rotation: RotationSettings | None = None  # None: no rotation
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -170,6 +180,7 @@ class QuantRecipe:
             "keep_float": list(self.keep_float),
             "gptq": dataclasses.asdict(self.gptq),
             "awq": dataclasses.asdict(self.awq),
+            "rotation": None if self.rotation is None else dataclasses.asdict(self.rotation),
         }
 
     @classmethod
@@ -187,6 +198,7 @@ class QuantRecipe:
                 keep_float=tuple(d.get("keep_float", [])),
                 gptq=GPTQSettings(**d.get("gptq", {})),
                 awq=AWQSettings(**d.get("awq", {})),
+                rotation=None if d.get("rotation") is None else RotationSettings(**d["rotation"]),
             )
         except (KeyError, TypeError) as e:
             raise UserError(f"quantization_config is malformed ({e}); re-quantize the model") from None
@@ -204,7 +216,8 @@ _NAME = re.compile(
     r"(?:-(?P<method>rtn|gptq-noact|gptq|awq))?"
     r"(?:-(?P<group>g\d+|pc))?"
     r"(?:-(?P<sym>sym|asym))?"
-    r"(?:-(?P<emb>emb8|emb4|embf))?$"
+    r"(?:-(?P<emb>emb8|emb4|embf))?"
+    r"(?:-(?P<rot>rot))?$"
 )
 
 # The canonical names, listed in errors and in `edgefinfer quantize --help`.
@@ -223,8 +236,8 @@ def parse_recipe(name: str) -> QuantRecipe:
     m = _NAME.match(name.strip().lower())
     if m is None:
         raise UserError(f"unknown recipe {name!r}: use one of {', '.join(RECIPE_NAMES)} "
-                        "(grammar: SCHEME[-rtn|gptq|gptq-noact|awq][-gN|-pc][-sym|-asym][-emb8|-emb4|-embf])")
-    scheme, method, group, sym, emb = (m[k] for k in ("scheme", "method", "group", "sym", "emb"))
+                        "(grammar: SCHEME[-rtn|gptq|gptq-noact|awq][-gN|-pc][-sym|-asym][-emb8|-emb4|-embf][-rot])")
+    scheme, method, group, sym, emb, rot = (m[k] for k in ("scheme", "method", "group", "sym", "emb", "rot"))
     method = method or "rtn"
     act_order = method != "gptq-noact"
     method = "gptq" if method == "gptq-noact" else method
@@ -262,6 +275,7 @@ def parse_recipe(name: str) -> QuantRecipe:
         embedding=embedding,
         lm_head=embedding,
         gptq=GPTQSettings(act_order=act_order),
+        rotation=RotationSettings() if rot else None,
     )
 
 
