@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from edgefinfer.atomic import user_mode
+
 # The exporter modules whose source is part of the key: editing them invalidates old programs.
 SOURCES = ("executorch_export.py", "et_attention.py", "et_quant.py", "et_cache.py")
 
@@ -84,6 +86,7 @@ def write_atomic(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
+        os.fchmod(fd, user_mode())  # mkstemp's 0600 would make model.pte unreadable to anyone else
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, path)
@@ -98,6 +101,7 @@ def copy_atomic(src: Path, dest: Path) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", dir=dest.parent)
     os.close(fd)
     try:
+        os.chmod(tmp, user_mode())  # copyfile keeps the destination's mode: make it the user's, not 0600
         shutil.copyfile(src, tmp)
         os.replace(tmp, dest)
     except BaseException:

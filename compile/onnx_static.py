@@ -1,23 +1,28 @@
-"""A static-shape decode graph for NPUs (Qualcomm QNN HTP): batch 1, one token, a W-slot window cache.
+"""A static-shape graph for NPUs (Qualcomm QNN HTP): batch 1, S tokens per call, a W-slot window cache.
 
 NPU compilers want every shape fixed and only standard ONNX ops, so this graph has no contrib ops
 and no dynamic dimension:
 
-    input_ids [1, 1] int32, position_ids [1, 1] int32, attention_bias [1, 1, 1, W] float,
+    input_ids [1, S] int32, position_ids [1, S] int32, attention_bias [1, 1, S, W] float,
     past_key_values.{i}.key/value [1, Hkv, W, D]
-        -> logits [1, 1, V], present.{i}.key/value [1, Hkv, 1, D]  (only the new token's entries)
+        -> logits [1, S, V], present.{i}.key/value [1, Hkv, S, D]  (only the new tokens' entries)
 
-The host owns the cache as a ring: it writes each `present` into slot `pos % W` and passes the
-additive `attention_bias` (0 = visible, -100 = not). The bias is finite on purpose: with
-finfo.min, a QDQ graph spends its whole int8/int16 range on the mask and the scores lose their
-resolution (the probe measured top-1 agreement 0.43 -> 0.75). The new token's own key/value are
-concatenated inside the graph, so a query always sees itself plus the W cached slots.
+Like Qualcomm's Genie, a deployment exports it twice over the same weights and cache layout: a
+prompt processor (S = 64 or 128: a prompt in few calls) and a token generator (S = 1). The host
+owns the cache as a ring: it writes each `present` row into slot `pos % W` and passes the additive
+`attention_bias` of each new token over the W slots (0 = visible, -100 = not). The bias is finite on
+purpose: with finfo.min, a QDQ graph spends its whole int8/int16 range on the mask and the scores
+lose their resolution (the probe measured top-1 agreement 0.43 -> 0.75). The new tokens' own
+keys/values are concatenated inside the graph with a constant causal (and windowed) S x S bias, so a
+query sees the cached slots plus the new tokens up to itself. A short last chunk is padded at the
+end: causality keeps the padding invisible to the real tokens and the host does not cache it.
 
-With one query, grouped-query attention needs no repeat of the keys: the H query heads are
-reshaped to [Hkv, H/Hkv] and each group multiplies its own key/value head. RoPE uses HF's
-half-split rotation as `x * cos + swap_halves(x) * sin_signed`, the sign of rotate_half folded
-into the sin table, and the 1/sqrt(D) score scale is folded into the query projection. Only ops
-whose QDQ form the HTP reproduces are used (see `rms_norm` for one that it does not).
+Grouped-query attention needs no repeat of the keys: the H query heads are reshaped to
+[Hkv, H/Hkv * S] rows and each group multiplies its own key/value head (the bias is tiled to match),
+so every tensor stays 4-D. RoPE uses HF's half-split rotation as `x * cos + swap_halves(x) *
+sin_signed`, the sign of rotate_half folded into the sin table, and the 1/sqrt(D) score scale is
+folded into the query projection. Only ops whose QDQ form the HTP reproduces are used (see
+`rms_norm` for one that it does not).
 """
 
 from __future__ import annotations
@@ -43,27 +48,36 @@ def _w(module: nn.Module, scale: float = 1.0) -> tuple[np.ndarray, np.ndarray | 
     return w, b
 
 
-def export_static_decode(model: Transformer, path, *, cache_slots: int, max_seq_len: int | None = None,
-                         window: int | None = None) -> dict:
-    """Write the static decode graph of a float model to `path` (+ `.data`); returns its metadata.
+def causal_block(chunk: int, window: int) -> np.ndarray:
+    """[1, 1, S, S] additive bias among the S new tokens: token i sees token j <= i within the window."""
+    i, j = np.arange(chunk)[:, None], np.arange(chunk)[None, :]
+    return np.where((j <= i) & (i - j < window), 0.0, MASK_OFF).astype(np.float32)[None, None]
 
-    cache_slots: W, the key/value slots the host keeps. The query sees itself and the W cached
+
+def export_static_decode(model: Transformer, path, *, cache_slots: int, chunk: int = 1,
+                         max_seq_len: int | None = None, window: int | None = None) -> dict:
+    """Write the static graph of a float model to `path` (+ `.data`); returns its metadata.
+
+    cache_slots: W, the key/value slots the host keeps. A query sees itself and the W cached
         positions, so a model whose `sliding_window` (or `window`) is W + 1 runs exactly.
+    chunk: S, the tokens each call takes (1: the token generator; 64..128: a prompt processor).
     """
     if any(isinstance(m, QUANT_MODULES) for m in model.modules()):
         raise UserError("the static (NPU) graph is built from the float model and quantized as a QDQ graph; "
                         "pass the float checkpoint, not a weight-quantized one")
     if cache_slots < 1:
         raise UserError(f"the window cache needs at least 1 slot, got {cache_slots}")
+    if not 1 <= chunk <= cache_slots:
+        raise UserError(f"a call takes 1..cache_slots ({cache_slots}) tokens, got chunk={chunk}")
     cfg = model.config
     max_seq_len = max_seq_len or cfg.max_position_embeddings
     window = window if window is not None else (cfg.sliding_window or cache_slots + 1)
-    H, Hkv, D, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.dim_per_head, cfg.hidden_size
-    W = cache_slots
+    H, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.dim_per_head
+    G, W, S = H // Hkv, cache_slots, chunk
     b = GraphBuilder()
-    ids = b.input("input_ids", ir.DataType.INT32, [1, 1])
-    pos = b.input("position_ids", ir.DataType.INT32, [1, 1])
-    bias = b.input("attention_bias", ir.DataType.FLOAT, [1, 1, 1, W])
+    ids = b.input("input_ids", ir.DataType.INT32, [1, S])
+    pos = b.input("position_ids", ir.DataType.INT32, [1, S])
+    bias = b.input("attention_bias", ir.DataType.FLOAT, [1, 1, S, W])
     past = [(b.input(f"past_key_values.{i}.key", ir.DataType.FLOAT, [1, Hkv, W, D]),
              b.input(f"past_key_values.{i}.value", ir.DataType.FLOAT, [1, Hkv, W, D]))
             for i in range(cfg.num_hidden_layers)]
@@ -87,45 +101,48 @@ def export_static_decode(model: Transformer, path, *, cache_slots: int, max_seq_
     b.scope = "/rope"
     cos_full = b.const("cos_table", np.concatenate([cos, cos], -1))  # [T, D]
     sin_signed = b.const("sin_signed_table", np.concatenate([-sin, sin], -1))  # rotate_half's sign folded in
-    cos_p = b.op("Gather", [cos_full, pos], "GatherCos", axis=0)  # [1, 1, D]
+    cos_p = b.op("Gather", [cos_full, pos], "GatherCos", axis=0)  # [1, S, D]
     sin_p = b.op("Gather", [sin_signed, pos], "GatherSin", axis=0)
-    cos_p = b.op("Reshape", [cos_p, b.scalar_i64(1, 1, 1, D)], "ReshapeCos")
-    sin_p = b.op("Reshape", [sin_p, b.scalar_i64(1, 1, 1, D)], "ReshapeSin")
+    cos_p = b.op("Reshape", [cos_p, b.scalar_i64(1, 1, S, D)], "ReshapeCos")
+    sin_p = b.op("Reshape", [sin_p, b.scalar_i64(1, 1, S, D)], "ReshapeSin")
 
-    def rope(x, name):  # x [1, heads, 1, D]
+    def rope(x, name):  # x [1, heads, S, D]
         lo, hi = b.op("Split", [x, b.scalar_i64(D // 2, D // 2)], f"{name}/Split", num_outputs=2, axis=-1)
         swapped = b.op("Concat", [hi, lo], f"{name}/Swap", axis=-1)
         return b.op("Add", [b.op("Mul", [x, cos_p], f"{name}/MulCos"), b.op("Mul", [swapped, sin_p], f"{name}/MulSin")],
                     f"{name}/Add")
 
+    def heads(x, n, name):  # [1, S, n * D] -> [1, n, S, D]
+        return b.op("Transpose", [b.op("Reshape", [x, b.scalar_i64(1, S, n, D)], f"{name}/Reshape")],
+                    f"{name}/Transpose", perm=[0, 2, 1, 3])
+
     b.scope = "/model"
     x = b.op("Gather", [b.const("embed_tokens.weight", model.model.embed_tokens.weight.detach().float().numpy()), ids],
-             "embed_tokens", axis=0)  # [1, 1, d]
-    # The new token always sees itself: append a visible column for it to the host's slot bias.
-    zero_col = b.const("self_bias", np.zeros((1, 1, 1, 1), np.float32))
-    full_bias = b.op("Concat", [bias, zero_col], "attention_bias_self", axis=-1)  # [1, 1, 1, W + 1]
+             "embed_tokens", axis=0)  # [1, S, d]
+    # The new tokens see each other causally: append that constant block to the host's slot bias, then
+    # repeat the rows once per query head of a group (rows are ordered group-major, see q/Group).
+    self_bias = b.const("self_bias", causal_block(S, window))
+    full_bias = b.op("Concat", [bias, self_bias], "attention_bias_self", axis=-1)  # [1, 1, S, W + S]
+    if G > 1:
+        full_bias = b.op("Concat", [full_bias] * G, "attention_bias_groups", axis=2)  # [1, 1, G * S, W + S]
     presents = []
     for i, layer in enumerate(model.model.layers):
         b.scope = f"/model/layers.{i}"
         attn = layer.self_attn
         h = rms_norm(x, layer.input_layernorm, "input_layernorm")
-        q = linear(h, attn.q_proj, "q_proj", scale=D ** -0.5)  # the score scale, folded into W_q
-        k = linear(h, attn.k_proj, "k_proj")
-        v = linear(h, attn.v_proj, "v_proj")
-        q = rope(b.op("Transpose", [b.op("Reshape", [q, b.scalar_i64(1, 1, H, D)], "q/Reshape")], "q/Transpose",
-                      perm=[0, 2, 1, 3]), "q_rope")  # [1, H, 1, D]
-        k = rope(b.op("Transpose", [b.op("Reshape", [k, b.scalar_i64(1, 1, Hkv, D)], "k/Reshape")], "k/Transpose",
-                      perm=[0, 2, 1, 3]), "k_rope")  # [1, Hkv, 1, D]
-        v = b.op("Transpose", [b.op("Reshape", [v, b.scalar_i64(1, 1, Hkv, D)], "v/Reshape")], "v/Transpose",
-                 perm=[0, 2, 1, 3])
+        q = rope(heads(linear(h, attn.q_proj, "q_proj", scale=D ** -0.5), H, "q"), "q_rope")  # [1, H, S, D]
+        k = rope(heads(linear(h, attn.k_proj, "k_proj"), Hkv, "k"), "k_rope")  # [1, Hkv, S, D]
+        v = heads(linear(h, attn.v_proj, "v_proj"), Hkv, "v")
         presents.append((k, v))
-        keys = b.op("Concat", [past[i][0], k], "keys", axis=2)  # [1, Hkv, W + 1, D]
+        keys = b.op("Concat", [past[i][0], k], "keys", axis=2)  # [1, Hkv, W + S, D]
         values = b.op("Concat", [past[i][1], v], "values", axis=2)
-        qg = b.op("Reshape", [q, b.scalar_i64(1, Hkv, H // Hkv, D)], "q/Group")  # [1, Hkv, H/Hkv, D]
+        qg = b.op("Reshape", [q, b.scalar_i64(1, Hkv, G * S, D)], "q/Group")  # query head h -> kv head h // G
         scores = b.op("MatMul", [qg, b.op("Transpose", [keys], "keys/Transpose", perm=[0, 1, 3, 2])], "scores")
         probs = b.op("Softmax", [b.op("Add", [scores, full_bias], "scores/Mask")], "Softmax", axis=-1)
-        ctx = b.op("MatMul", [probs, values], "context")  # [1, Hkv, H/Hkv, D]
-        ctx = b.op("Reshape", [ctx, b.scalar_i64(1, 1, H * D)], "context/Reshape")
+        ctx = b.op("MatMul", [probs, values], "context")  # [1, Hkv, G * S, D]
+        ctx = b.op("Reshape", [ctx, b.scalar_i64(1, H, S, D)], "context/Heads")
+        ctx = b.op("Transpose", [ctx], "context/Transpose", perm=[0, 2, 1, 3])  # [1, S, H, D]
+        ctx = b.op("Reshape", [ctx, b.scalar_i64(1, S, H * D)], "context/Reshape")
         x = b.op("Add", [x, linear(ctx, attn.o_proj, "o_proj")], "attn_residual")
         h = rms_norm(x, layer.post_attention_layernorm, "post_attention_layernorm")
         gate = linear(h, layer.mlp.gate_proj, "gate_proj")
@@ -136,14 +153,14 @@ def export_static_decode(model: Transformer, path, *, cache_slots: int, max_seq_
     h = rms_norm(x, model.model.norm, "norm")
     b.scope = "/lm_head"
     logits = linear(h, model.lm_head, "lm_head")
-    b.output(logits, "logits", ir.DataType.FLOAT, [1, 1, cfg.vocab_size])
+    b.output(logits, "logits", ir.DataType.FLOAT, [1, S, cfg.vocab_size])
     for i, (k, v) in enumerate(presents):
-        b.output(k, f"present.{i}.key", ir.DataType.FLOAT, [1, Hkv, 1, D])
-        b.output(v, f"present.{i}.value", ir.DataType.FLOAT, [1, Hkv, 1, D])
+        b.output(k, f"present.{i}.key", ir.DataType.FLOAT, [1, Hkv, S, D])
+        b.output(v, f"present.{i}.value", ir.DataType.FLOAT, [1, Hkv, S, D])
     metadata = {"edgefinfer.graph": GRAPH_KIND, "edgefinfer.window": str(window), "edgefinfer.cache_slots": str(W),
-                "edgefinfer.max_seq_len": str(max_seq_len), "edgefinfer.vocab_size": str(cfg.vocab_size),
-                "edgefinfer.num_layers": str(cfg.num_hidden_layers)}
+                "edgefinfer.chunk": str(S), "edgefinfer.max_seq_len": str(max_seq_len),
+                "edgefinfer.vocab_size": str(cfg.vocab_size), "edgefinfer.num_layers": str(cfg.num_hidden_layers)}
     files = save_model(b.model(metadata), path)
-    return {"files": [f.name for f in files], "cache_slots": W, "window": window, "max_seq_len": max_seq_len,
+    return {"files": [f.name for f in files], "cache_slots": W, "chunk": S, "window": window,
+            "max_seq_len": max_seq_len,
             "kv_layout": {"format": "BNSH ring", "shape": [1, Hkv, W, D], "slot": "position % cache_slots"}}
-

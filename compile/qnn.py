@@ -1,20 +1,23 @@
-"""Qualcomm NPU (`--target qnn`): static decode graph -> QDQ quantization -> QNN HTP context binary.
+"""Qualcomm NPU (`--target qnn`): static graphs -> QDQ quantization -> QNN HTP context binaries.
 
-    build_qnn(model, out_dir, soc="sm8650")
-      1. `export_static_decode`: batch 1, one token, a W-slot window cache, finite mask (float)
-      2. `quantize_qdq`: onnxruntime's QNN QDQ config (A16W8 by default, or A8W8), calibrated on the
-         float graph's own decode-step inputs
-      3. `compile_context`: the `onnxruntime-qnn` plugin EP compiles the whole graph offline into an
+    build_qnn(model, out_dir, soc="sm8650", context=1024, chunk=64)
+      1. `export_static_decode` twice, as Qualcomm's Genie pairs them: a prompt processor (`chunk`
+         tokens per call) and a token generator (1 token), both over one `context`-slot cache
+      2. `quantize_qdq`: onnxruntime's QNN QDQ config (A16W8 by default, or A8W8); the activation
+         ranges are calibrated once, on the float prompt processor reading the calibration text, and
+         both graphs are quantized with those same ranges (one calibration cache), so they agree
+      3. `compile_context`: the `onnxruntime-qnn` plugin EP compiles each graph offline into an
          EPContext model + QNN context binary for the SoC's HTP architecture
-      -> model_qdq.onnx (runs anywhere ORT runs: CPU reference), model_ctx.onnx + *.bin (the phone)
+      -> model_ctx.onnx / prompt_ctx.onnx + *.bin (the phone), model_qdq.onnx / prompt_qdq.onnx (the
+         same graphs for ONNX Runtime's CPU EP: the fallback, and how the build measures perplexity)
 
-The `onnxruntime-qnn` wheel also ships an x86 HTP emulator: `qnn_session(ctx_path, soc)` runs the
-context model on it (about a second per token), which is how tests check the binary.
+The runtime runs them (`edgefinfer.runtime.backends.ort.open_qnn`): on the QNN EP where
+`onnxruntime-qnn` is installed (on a PC, its x86 HTP emulator, ~1 s per token for a small model), on
+the CPU EP otherwise. This module only builds.
 """
 
 from __future__ import annotations
 
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +32,10 @@ from edgefinfer.model import Transformer
 from edgefinfer.runtime.backends.ort import qnn_context_session, require_qnn  # noqa: F401 (re-exported)
 from edgefinfer.runtime.backends.ort import qnn_session_options as _qnn_session_options
 
+# (float, QDQ, context model) files of the token generator and of the prompt processor.
 FLOAT_FILE, QDQ_FILE, CTX_FILE = "model_float.onnx", "model_qdq.onnx", "model_ctx.onnx"
+PROMPT_FLOAT_FILE, PROMPT_QDQ_FILE, PROMPT_CTX_FILE = "prompt_float.onnx", "prompt_qdq.onnx", "prompt_ctx.onnx"
+CALIBRATION_FILE = "calibration.json"  # activation ranges, shared by the two graphs (not shipped)
 
 
 @dataclass(frozen=True)
@@ -78,24 +84,21 @@ def qnn_session(model_path: str | Path, soc: str | Soc):
 
 # ---- QDQ quantization ---------------------------------------------------------------------------------
 
-def calibration_feeds(float_path: Path, token_streams: Sequence[Sequence[int]], max_steps: int = 256
+def calibration_feeds(float_path: Path, token_streams: Sequence[Sequence[int]], max_calls: int = 16
                       ) -> list[dict[str, np.ndarray]]:
-    """Every decode-step input the float static graph sees while reading `token_streams` (teacher forced)."""
+    """The inputs of every call the float static graph runs while reading `token_streams` (teacher
+    forced), recorded by the runtime backend's observer."""
     from edgefinfer.runtime.backends.ort import OrtStaticBackend
 
-    backend = OrtStaticBackend(float_path, threads=1)
     feeds: list[dict[str, np.ndarray]] = []
-    run = backend.session.run
-
-    def recording_run(names, feed):
-        feeds.append({k: np.array(v, copy=True) for k, v in feed.items()})
-        return run(names, feed)
-
-    backend.session.run = recording_run  # type: ignore[method-assign]
+    # The cache arrays in a feed are the backend's own (updated in place): keep copies.
+    backend = OrtStaticBackend(float_path, threads=1,
+                               observer=lambda feed: feeds.append({k: v.copy() for k, v in feed.items()}))
+    chunk = backend.graphs[0].chunk
     for stream in token_streams:
         backend.reset()
-        backend.forward(list(stream)[: max_steps - len(feeds)], 0)
-        if len(feeds) >= max_steps:
+        backend.forward(list(stream)[: (max_calls - len(feeds)) * chunk], 0)
+        if len(feeds) >= max_calls:
             break
     return feeds
 
@@ -110,78 +113,110 @@ class _Feeds:
         return next(self._it, None)
 
 
-def quantize_qdq(float_path: Path, out_path: Path, feeds: list[dict[str, np.ndarray]], scheme: str = "a16w8") -> Path:
-    """A QDQ copy of the float graph for the QNN HTP: activations uint16 (a16w8) or uint8, weights uint8."""
-    from onnxruntime.quantization import QuantType, quantize
+def quantize_qdq(float_path: Path, out_path: Path, feeds: list[dict[str, np.ndarray]] | None, scheme: str = "a16w8",
+                 ranges: Path | None = None) -> Path:
+    """A QDQ copy of the float graph for the QNN HTP: activations uint16 (a16w8) or uint8, weights uint8.
+
+    ranges: a calibration cache (JSON of activation ranges by tensor name). If it exists, its ranges
+        are used and `feeds` may be None; otherwise the ranges are calibrated on `feeds` and saved
+        there, so a second graph with the same tensor names is quantized exactly like the first.
+    """
+    from onnxruntime.quantization import QuantType, quantize_static
     from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
 
     if scheme not in QUANT_SCHEMES:
         raise UserError(f"unknown QNN quantization {scheme!r}: use one of {', '.join(QUANT_SCHEMES)}")
-    if not feeds:
+    if not feeds and not (ranges is not None and ranges.is_file()):
         raise UserError("QDQ calibration needs at least one token of calibration text")
     act = QuantType.QUInt16 if scheme == "a16w8" else QuantType.QUInt8
-    config = get_qnn_qdq_config(str(float_path), _Feeds(feeds), activation_type=act, weight_type=QuantType.QUInt8)
-    config.use_external_data_format = True
-    quantize(str(float_path), str(out_path), config)
+    c = get_qnn_qdq_config(str(float_path), _Feeds(feeds or []), activation_type=act, weight_type=QuantType.QUInt8)
+    # quantize_static rather than quantize(config): only it takes the calibration cache.
+    quantize_static(str(float_path), str(out_path), c.calibration_data_reader if feeds else None,
+                    calibrate_method=c.calibrate_method, quant_format=c.quant_format,
+                    activation_type=c.activation_type, weight_type=c.weight_type,
+                    op_types_to_quantize=c.op_types_to_quantize, nodes_to_quantize=c.nodes_to_quantize,
+                    nodes_to_exclude=c.nodes_to_exclude, per_channel=c.per_channel, reduce_range=c.reduce_range,
+                    use_external_data_format=True, calibration_providers=c.calibration_providers,
+                    extra_options=c.extra_options, calibration_cache_path=ranges)
     return out_path
 
 
-def compile_context(qdq_path: Path, out_dir: Path, soc: Soc) -> dict[str, Any]:
-    """Compile the QDQ graph offline into `out_dir/model_ctx.onnx` + its QNN context binary."""
+def compile_context(qdq_path: Path, ctx_path: Path, soc: Soc) -> list[str]:
+    """Compile the QDQ graph offline into the EPContext model `ctx_path` + its QNN context binary;
+    returns the binaries written."""
     import onnxruntime as ort
 
-    ctx = out_dir / CTX_FILE
+    before = set(ctx_path.parent.glob("*.bin"))
     try:
-        ort.InferenceSession(str(qdq_path), qnn_session_options(soc, context_out=ctx))
+        ort.InferenceSession(str(qdq_path), qnn_session_options(soc, context_out=ctx_path))
     except Exception as e:  # QNN's messages are long; keep the first line
         raise UserError(f"QNN could not compile {qdq_path.name} for {soc.name} (HTP v{soc.htp_arch}): "
                         f"{str(e).splitlines()[0][:300]}") from None
-    bins = sorted(p.name for p in out_dir.glob("*.bin"))
-    if not ctx.is_file() or not bins:
+    bins = sorted(p.name for p in set(ctx_path.parent.glob("*.bin")) - before)
+    if not ctx_path.is_file() or not bins:
         raise UserError(f"QNN wrote no context binary for {soc.name}; is the whole graph supported by the HTP?")
-    return {"context_model": ctx.name, "context_binaries": bins}
+    return bins
 
 
 # ---- the pipeline --------------------------------------------------------------------------------------
 
-def build_qnn(model: Transformer, out_dir: str | Path, *, soc: str = "sm8650", cache_slots: int = 63,
+def build_qnn(model: Transformer, out_dir: str | Path, *, soc: str = "sm8650", context: int = 1024, chunk: int = 64,
               scheme: str = "a16w8", calibration: Sequence[Sequence[int]] | None = None,
               max_seq_len: int | None = None, keep_float: bool = False,
               progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Float static graph -> QDQ -> QNN context binary in `out_dir`. Returns the artefact metadata
-    (on the phone: `OrtStaticBackend(ctx, session=qnn_context_session(ctx, htp_arch, soc_model))`).
+    """Float static graphs -> QDQ -> QNN context binaries in `out_dir`. Returns the artefact metadata,
+    which `edgefinfer.runtime.backends.ort.open_qnn` reads to run them.
 
+    context: cache slots, the tokens a query sees besides itself (a longer stream slides over them).
+    chunk: tokens per call of the prompt processor, at most `context` (1: the token generator only).
     calibration: token streams the quantizer observes (default: one stream of pseudo-random ids,
         which is only fit for tests; pass real text for a real model).
+    max_seq_len: RoPE positions in the graphs (default: the model's).
     """
     say = progress or (lambda _m: None)
     target = get_soc(soc)
+    if chunk < 1 or context < 1:
+        raise UserError(f"the QNN graphs need context >= 1 and chunk >= 1, got context={context}, chunk={chunk}")
+    chunk = min(chunk, context)  # a call never takes more tokens than the cache holds
     require_qnn()  # fail before any work when the package is missing
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    float_path = out / FLOAT_FILE
-    meta = export_static_decode(model, float_path, cache_slots=cache_slots, max_seq_len=max_seq_len)
-    say(f"[qnn] static decode graph: {cache_slots} cache slots ({time.perf_counter() - t0:.1f}s)")
+    graphs = [(FLOAT_FILE, QDQ_FILE, CTX_FILE, 1)]
+    if chunk > 1:  # calibrated first: its calls see whole chunks of text, the generator's ranges follow
+        graphs.insert(0, (PROMPT_FLOAT_FILE, PROMPT_QDQ_FILE, PROMPT_CTX_FILE, chunk))
+    meta: dict[str, Any] = {}
+    for float_file, _, _, s in graphs:
+        meta = export_static_decode(model, out / float_file, cache_slots=context, chunk=s, max_seq_len=max_seq_len)
+    say(f"[qnn] static graphs: {', '.join(str(g[3]) for g in graphs)} token(s) per call over {context} cache slots "
+        f"({time.perf_counter() - t0:.1f}s)")
     streams = calibration or [np.random.default_rng(0).integers(0, model.config.vocab_size, 64).tolist()]
-    feeds = calibration_feeds(float_path, streams)
-    quantize_qdq(float_path, out / QDQ_FILE, feeds, scheme)
-    say(f"[qnn] {scheme} QDQ from {len(feeds)} calibration steps ({time.perf_counter() - t0:.1f}s)")
-    ctx = compile_context(out / QDQ_FILE, out, target)
-    say(f"[qnn] context binary for {target.name} / HTP v{target.htp_arch} ({time.perf_counter() - t0:.1f}s)")
+    feeds = calibration_feeds(out / graphs[0][0], streams)
+    calibration_calls = len(feeds)
+    ranges = out / CALIBRATION_FILE
+    ranges.unlink(missing_ok=True)
+    for float_file, qdq_file, _, _ in graphs:
+        quantize_qdq(out / float_file, out / qdq_file, feeds, scheme, ranges=ranges)
+        feeds = None  # the second graph reuses the first one's ranges
+    say(f"[qnn] {scheme} QDQ from {calibration_calls} calibration calls "
+        f"({time.perf_counter() - t0:.1f}s)")
+    bins: dict[str, list[str]] = {}
+    for _, qdq_file, ctx_file, _ in graphs:
+        bins[ctx_file] = compile_context(out / qdq_file, out / ctx_file, target)
+    say(f"[qnn] context binaries for {target.name} / HTP v{target.htp_arch} ({time.perf_counter() - t0:.1f}s)")
+    ranges.unlink(missing_ok=True)
     if not keep_float:
-        for f in out.glob(FLOAT_FILE + "*"):
-            f.unlink()
+        for float_file, *_ in graphs:
+            for f in out.glob(float_file + "*"):
+                f.unlink()
     files = sorted(p.name for p in out.iterdir() if p.is_file())
-    return {**meta, **ctx, "files": files, "qdq_model": QDQ_FILE, "scheme": scheme, "soc": target.name,
-            "soc_model": target.soc_model, "htp_arch": target.htp_arch, "calibration_steps": len(feeds),
+    return {**{k: v for k, v in meta.items() if k != "chunk"}, "files": files, "context": context,
+            "context_model": CTX_FILE, "qdq_model": QDQ_FILE,
+            "prompt_context_model": PROMPT_CTX_FILE if chunk > 1 else None,
+            "prompt_qdq_model": PROMPT_QDQ_FILE if chunk > 1 else None, "prompt_chunk": chunk,
+            "context_binaries": sorted(b for v in bins.values() for b in v),
+            "scheme": scheme, "calibration_calls": calibration_calls,
+            "soc": target.name, "soc_model": target.soc_model, "htp_arch": target.htp_arch,
             "seconds": round(time.perf_counter() - t0, 2),
             "graph": read_metadata(out / QDQ_FILE).get("edgefinfer.graph")}
 
-
-def copy_artefacts(src: Path, dest: Path) -> list[str]:
-    """Copy a build's runtime files (context model, binaries, QDQ model) into a bundle folder."""
-    names = [p.name for p in src.iterdir() if p.is_file() and not p.name.startswith(FLOAT_FILE)]
-    for n in names:
-        shutil.copyfile(src / n, dest / n)
-    return sorted(names)

@@ -105,7 +105,15 @@ def open_backend(path: str | Path, kind: str | None = None, kv: KVSpec = KVSpec(
         art = manifest.artefact("model", kind) if kind else manifest.artefact("model")
         if art is None:
             raise UserError(f"bundle {path} has no model artefact" + (f" for backend {kind!r}" if kind else ""))
-        backend = _open(path / art.path, art.backend, window, kv.sinks, threads, max_seq_len, kv.block_size)
+        if art.format == "qnn-context":  # static graphs: QNN EP (HTP / emulator) or CPU EP, see open_qnn
+            from edgefinfer.runtime.backends.ort import open_qnn
+
+            if window is not None or kv.block_size is not None:
+                raise UserError("a QNN bundle's cache is fixed at build time (a window of --max-seq-len slots); "
+                                "drop --kv")
+            backend = open_qnn(path, art.meta, threads=threads)
+        else:
+            backend = _open(path / art.path, art.backend, window, kv.sinks, threads, max_seq_len, kv.block_size)
         eos = _eos_ids(manifest.model.get("config", {}))
         return backend, Tokenizer.from_dir(path), {"bundle": manifest.target, "artefact": art.path, "eos_ids": eos}
     backend_kind = kind or _guess_backend(path)

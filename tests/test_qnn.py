@@ -1,11 +1,13 @@
-"""The Qualcomm NPU path: static decode graph, QDQ, QNN context binary run on the x86 HTP emulator.
+"""The Qualcomm NPU path: static graphs (prompt processor + token generator), QDQ, QNN context binaries
+run on the x86 HTP emulator, and `--target qnn` bundles run through the Engine.
 
-The emulator test builds and runs a 2-layer model end to end in ~5 s on 2 cores.
+The emulator tests build and run a 2-layer model end to end in a few seconds on 2 cores.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 
 import numpy as np
@@ -13,9 +15,10 @@ import onnx
 import pytest
 
 from edgefinfer.compile.onnx_static import export_static_decode
-from edgefinfer.compile.qnn import build_qnn, get_soc, qnn_session, require_qnn
+from edgefinfer.bundle import load_manifest
+from edgefinfer.compile.qnn import build_qnn, get_soc, require_qnn
 from edgefinfer.errors import UserError
-from edgefinfer.runtime.backends.ort import OrtStaticBackend
+from edgefinfer.runtime.backends.ort import OrtStaticBackend, open_qnn
 from edgefinfer.runtime.backends.torch_eager import TorchBackend
 from tests.helpers import tiny_model
 
@@ -24,45 +27,122 @@ HAS_QNN = importlib.util.find_spec("onnxruntime_qnn") is not None
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(model_type="qwen2", qkv_bias=True)])
-def test_static_graph_matches_eager_window_attention(tmp_path, kw):
-    """An 8-token window run 3x past its length; 2 spare slots make a 2-token rollback exact."""
+@pytest.mark.parametrize("prompt_chunk", [None, 4])
+def test_static_graph_matches_eager_window_attention(tmp_path, kw, prompt_chunk):
+    """An 8-token window run 3x past its length; 2 spare slots make a 2-token rollback exact. With a
+    prompt processor (4 tokens per call), prompts go in chunks and a short tail in one padded call."""
     model = tiny_model(vocab_size=VOCAB, max_position_embeddings=64, **kw)
     meta = export_static_decode(model, tmp_path / "model.onnx", cache_slots=7)
     assert meta["window"] == 8  # 7 slots + the token itself
-    meta = export_static_decode(model, tmp_path / "model.onnx", cache_slots=9, window=8)
-    ours, ref = OrtStaticBackend(tmp_path, threads=1), TorchBackend(model, window=8)
+    export_static_decode(model, tmp_path / "model.onnx", cache_slots=9, window=8)
+    prefill = None
+    if prompt_chunk:
+        prefill = tmp_path / "prompt.onnx"
+        export_static_decode(model, prefill, cache_slots=9, window=8, chunk=prompt_chunk)
+    ours, ref = OrtStaticBackend(tmp_path / "model.onnx", threads=1, prefill=prefill), TorchBackend(model, window=8)
     assert ours.window == 8 and ours.slots == 9
+    calls = []
+    ours.observer = lambda feed: calls.append(feed["input_ids"].shape[1])
     tokens = np.random.default_rng(0).integers(0, VOCAB, 24).tolist()
-    assert np.abs(ours.forward(tokens[:20], 0) - ref.forward(tokens[:20], 0)).max() < 1e-4  # measured 4e-6
-    ours.rollback(18)
-    assert np.abs(ours.forward(tokens[18:], 18) - ref.forward(tokens[18:], 18)).max() < 1e-4
+    assert np.abs(ours.forward(tokens[:19], 0) - ref.forward(tokens[:19], 0)).max() < 1e-4  # measured 4e-6
+    assert calls == ([1] * 19 if not prompt_chunk else [4, 4, 4, 4, 4])  # 16 + a padded call for the last 3
+    ours.rollback(17)
+    assert np.abs(ours.forward(tokens[17:], 17) - ref.forward(tokens[17:], 17)).max() < 1e-4
+    assert np.abs(ours.forward(tokens[22:23], 22) - ref.forward(tokens[22:23], 22)).max() < 1e-4  # generator
     proto = onnx.load(str(tmp_path / "model.onnx"), load_external_data=False)
     assert all(n.domain in ("", "ai.onnx") for n in proto.graph.node)  # standard ops only
     assert all(d.dim_value > 0 for i in proto.graph.input for d in i.type.tensor_type.shape.dim)  # static
 
 
+def test_graph_and_cache_must_agree(tmp_path):
+    model = tiny_model(vocab_size=VOCAB, max_position_embeddings=64)
+    with pytest.raises(UserError, match="1..cache_slots \\(8\\) tokens, got chunk=9"):
+        export_static_decode(model, tmp_path / "p.onnx", cache_slots=8, chunk=9)
+    export_static_decode(model, tmp_path / "g.onnx", cache_slots=8)
+    export_static_decode(model, tmp_path / "p.onnx", cache_slots=16, chunk=4)
+    with pytest.raises(UserError, match="do not share one cache layout"):
+        OrtStaticBackend(tmp_path / "g.onnx", prefill=tmp_path / "p.onnx")
+
+
 @pytest.mark.skipif(not HAS_QNN, reason="needs onnxruntime-qnn")
 @pytest.mark.parametrize("scheme,tol_htp,tol_float", [("a16w8", 0.3, 0.5), ("a8w8", 0.8, 1.5)])
-def test_context_binary_on_htp_emulator(tmp_path, scheme, tol_htp, tol_float):
+def test_context_binaries_on_htp_emulator(tmp_path, scheme, tol_htp, tol_float):
     model = tiny_model(vocab_size=VOCAB, max_position_embeddings=64)
     rng = np.random.default_rng(0)
     calibration = [rng.integers(0, VOCAB, 24).tolist() for _ in range(4)]
-    meta = build_qnn(model, tmp_path, soc="sm8650", cache_slots=15, scheme=scheme, calibration=calibration,
+    meta = build_qnn(model, tmp_path, soc="sm8650", context=16, chunk=4, scheme=scheme, calibration=calibration,
                      keep_float=True)
-    assert (meta["soc_model"], meta["htp_arch"]) == (57, 75)
-    ctx = onnx.load(str(tmp_path / meta["context_model"]), load_external_data=False)
-    assert [n.op_type for n in ctx.graph.node] == ["EPContext"]  # the whole graph runs on the HTP
-    assert meta["context_binaries"] and (tmp_path / meta["context_binaries"][0]).stat().st_size > 10_000
+    assert (meta["soc_model"], meta["htp_arch"], meta["context"], meta["window"]) == (57, 75, 16, 17)
+    for name in (meta["context_model"], meta["prompt_context_model"]):
+        ctx = onnx.load(str(tmp_path / name), load_external_data=False)
+        assert [n.op_type for n in ctx.graph.node] == ["EPContext"]  # the whole graph runs on the HTP
+    assert len(meta["context_binaries"]) == 2
+    assert all((tmp_path / b).stat().st_size > 10_000 for b in meta["context_binaries"])
+    assert not (tmp_path / "calibration.json").exists()
 
-    tokens = calibration[0][:4]  # ~10-30 ms per token on the emulator for this model
-    htp = OrtStaticBackend(tmp_path / "model_ctx.onnx", session=qnn_session(tmp_path / "model_ctx.onnx", "sm8650"))
-    qdq = OrtStaticBackend(tmp_path / "model_qdq.onnx", threads=1)
-    flt = OrtStaticBackend(tmp_path / "model_float.onnx", threads=1)
-    a, b, c = htp.forward(tokens, 0), qdq.forward(tokens, 0), flt.forward(tokens, 0)
+    tokens = calibration[0][:6]  # one prompt-processor call, a padded one, then the token generator
+    htp, qdq = open_qnn(tmp_path, meta, ep="qnn"), open_qnn(tmp_path, meta, ep="cpu")
+    flt = OrtStaticBackend(tmp_path / "model_float.onnx", threads=1, prefill=tmp_path / "prompt_float.onnx")
+    a, b, c = (be.forward(tokens[:5], 0) for be in (htp, qdq, flt))
+    a, b, c = (np.concatenate([x, be.forward(tokens[5:], 5)]) for x, be in ((a, htp), (b, qdq), (c, flt)))
     # Measured (logit std 1.2): a16w8 HTP vs CPU QDQ 0.09, QDQ vs float 0.15; a8w8 0.29 / 0.54.
     assert np.abs(a - b).max() < tol_htp
     assert np.abs(b - c).max() < tol_float
     assert (a.argmax(-1) == b.argmax(-1)).all() and (b.argmax(-1) == c.argmax(-1)).all()
+
+
+def _memorising_model(tok):
+    """A tiny model trained for 2 s on the helper text: its greedy continuations have clear margins,
+    as a real model's mostly do (a random model's near-ties would flip under any quantization noise)."""
+    import torch
+
+    from tests.helpers import _TEXT
+
+    ids = torch.tensor(tok.encode(_TEXT))
+    model = tiny_model(vocab_size=tok.vocab_size, max_position_embeddings=256, eos_token_id=None).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(150):
+        batch = torch.stack([ids[s:s + 65] for s in torch.randint(0, len(ids) - 65, (8,), generator=g)])
+        loss = torch.nn.functional.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval()
+
+
+@pytest.mark.skipif(not HAS_QNN, reason="needs onnxruntime-qnn")
+def test_qnn_bundle_runs_through_the_engine(tmp_path, monkeypatch):
+    """`edgefinfer build --target qnn` -> `edgefinfer run`: greedy tokens on the HTP emulator equal the
+    CPU EP's on the same QDQ graphs; the build measured the bundle's perplexity (on the CPU EP)."""
+    from edgefinfer.build import BuildOptions, build
+    from edgefinfer.checkpoint import save_model
+    from edgefinfer.runtime.engine import Engine
+    from tests.helpers import tiny_tokenizer
+
+    tok = tiny_tokenizer(320)
+    tok.eos_token = None  # generate the full length
+    save_model(_memorising_model(tok), tmp_path / "m")
+    tok.save(tmp_path / "m")
+    build(BuildOptions(target="qnn", model=tmp_path / "m", out=tmp_path / "qnn", max_seq_len=32, eval_tokens=128,
+                       eval_window=32))
+    manifest = load_manifest(tmp_path / "qnn", target="qnn")
+    art = manifest.artefact("model")
+    assert (art.format, art.path, art.meta["context"], art.meta["prompt_chunk"]) == ("qnn-context", "model_ctx.onnx",
+                                                                                    32, 32)
+    assert manifest.metrics["ppl"] > 1 and manifest.metrics["measured_on"].startswith("onnxruntime CPU EP")
+    # onnxruntime's quantizer writes its .data files 0600; in the bundle every file has the user's mode.
+    umask = os.umask(0)
+    os.umask(umask)
+    assert {oct(p.stat().st_mode & 0o777) for p in (tmp_path / "qnn").iterdir()} == {oct(0o666 & ~umask)}
+    assert (tmp_path / "qnn").stat().st_mode & 0o777 == 0o777 & ~umask
+    runs = {}
+    for ep in ("qnn", "cpu"):
+        monkeypatch.setenv("EDGEFINFER_QNN_EP", ep)
+        runs[ep] = Engine.load(tmp_path / "qnn").generate("It is a truth universally", max_tokens=40).token_ids
+    # 6 prompt tokens + 40 generated: past the 32-slot context, so the ring wraps on both.
+    assert len(runs["qnn"]) == 40 and runs["qnn"] == runs["cpu"]
+    assert tok.decode(runs["cpu"]).startswith(" acknowledged, that a single man")  # it did learn the text
 
 
 def test_missing_package_is_a_user_error(monkeypatch):

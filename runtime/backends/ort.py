@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -109,6 +109,39 @@ def qnn_context_session(model_path: str | Path, htp_arch: int, soc_model: int):
     """A session on a QNN context model (on a PC: the x86 HTP emulator). It must be opened with the
     provider options it was compiled for: `providers=[...]` fails with "EPContext node not compatible"."""
     return _import_ort().InferenceSession(str(model_path), qnn_session_options(htp_arch, soc_model))
+
+
+QNN_EPS = ("auto", "qnn", "cpu")
+
+
+def open_qnn(folder: str | Path, meta: dict[str, Any], ep: str | None = None, threads: int | None = None
+             ) -> "OrtStaticBackend":
+    """A `--target qnn` bundle's graphs (named in its manifest entry `meta`) as one backend.
+
+    ep: "qnn": the context binaries on the QNN HTP (on a PC, onnxruntime-qnn's x86 emulator);
+        "cpu": the same QDQ graphs on ONNX Runtime's CPU EP; "auto" (default, or $EDGEFINFER_QNN_EP):
+        qnn where onnxruntime-qnn is installed, else cpu.
+    """
+    import importlib.util
+
+    folder = Path(folder)
+    ep = ep or os.environ.get("EDGEFINFER_QNN_EP") or "auto"
+    if ep not in QNN_EPS:
+        raise UserError(f"unknown QNN execution provider {ep!r}: use one of {', '.join(QNN_EPS)}")
+    if ep == "auto":
+        ep = "qnn" if importlib.util.find_spec("onnxruntime_qnn") is not None else "cpu"
+    keys = ("context_model", "prompt_context_model") if ep == "qnn" else ("qdq_model", "prompt_qdq_model")
+    generator, prompt = (meta.get(k) for k in keys)
+    if not generator:
+        raise UserError(f"the QNN bundle at {folder} names no {keys[0]} in its manifest; rebuild it")
+    if ep == "cpu":
+        return OrtStaticBackend(folder / generator, threads=threads, prefill=folder / prompt if prompt else None)
+
+    def session(name: str):
+        return qnn_context_session(folder / name, int(meta["htp_arch"]), int(meta["soc_model"]))
+
+    return OrtStaticBackend(folder / generator, session=session(generator), prefill=folder / prompt if prompt else None,
+                            prefill_session=session(prompt) if prompt else None)
 
 
 def _genai_decoder(model_path: Path) -> dict[str, Any]:
@@ -228,65 +261,117 @@ class OrtBackend:
             self.windowed.reset()
 
 
-class OrtStaticBackend:
-    """A fixed-shape decode graph (batch 1, one token, W cache slots), e.g. the QNN context model.
+class _StaticGraph:
+    """One fixed-shape graph of a static model: its session and the shapes the host must feed."""
 
-    `session` lets the caller pass a session built with special options (an EP plugin); otherwise a
-    CPU session is created.
+    def __init__(self, path: Path, session: Any):
+        self.path, self.session = path, session
+        inputs = {i.name: i for i in session.get_inputs()}
+        past = [n for n in inputs if n.startswith("past_key_values.")]
+        if "attention_bias" not in inputs or not past:
+            raise UserError(f"{path} is not a static decode graph (no attention_bias / past_key_values inputs)")
+        self.n_layers = len(past) // 2
+        _, self.n_kv, self.slots, self.head_dim = (int(d) for d in inputs["past_key_values.0.key"].shape)
+        self.chunk = int(inputs["input_ids"].shape[1])
+        self.kv_dtype = _ORT_TYPES[inputs["past_key_values.0.key"].type]
+        self.ids_dtype = _ORT_TYPES[inputs["input_ids"].type]
+        self.pos_dtype = _ORT_TYPES[inputs["position_ids"].type]
+        self.outputs = [o.name for o in session.get_outputs()]
+        self.vocab_size = int(next(o for o in session.get_outputs() if o.name == "logits").shape[-1])
+        self.meta = session.get_modelmeta().custom_metadata_map
+
+
+class OrtStaticBackend:
+    """Fixed-shape graphs (batch 1, S tokens per call, W cache slots), e.g. the QNN context models.
+
+    `onnx_dir_or_path` is the token generator (S = 1, or any S); `prefill` optionally adds a prompt
+    processor (S > 1) over the same cache layout, as Qualcomm's Genie pairs them: prompts go through
+    it in chunks of S (the last one padded), and single tokens through the generator.
+
+    `session` / `prefill_session` let the caller pass sessions built with special options (an EP
+    plugin); otherwise CPU sessions are created. `observer`, if given, sees every feed before it runs
+    (quantization calibration records them; the cache arrays in a feed are views: copy to keep them).
     """
 
     name = "onnxruntime"
 
     def __init__(self, onnx_dir_or_path: str | Path, providers: Sequence[Any] | None = None,
-                 threads: int | None = None, session: Any | None = None):
+                 threads: int | None = None, session: Any | None = None, prefill: str | Path | None = None,
+                 prefill_session: Any | None = None, observer: Callable[[dict[str, np.ndarray]], None] | None = None):
         ort = _import_ort()
+
+        def open_graph(path: Path, given: Any | None) -> _StaticGraph:
+            return _StaticGraph(path, given or ort.InferenceSession(
+                str(path), session_options(threads), providers=list(providers or ["CPUExecutionProvider"])))
+
         self.path = resolve_model_path(onnx_dir_or_path)
-        self.session = session or ort.InferenceSession(str(self.path), session_options(threads),
-                                                       providers=list(providers or ["CPUExecutionProvider"]))
-        inputs = {i.name: i for i in self.session.get_inputs()}
-        past = [n for n in inputs if n.startswith("past_key_values.")]
-        if "attention_bias" not in inputs or not past:
-            raise UserError(f"{self.path} is not a static decode graph (no attention_bias / past_key_values inputs)")
-        self.n_layers = len(past) // 2
-        _, n_kv, slots, head_dim = inputs["past_key_values.0.key"].shape
-        self.slots = int(slots)
-        self.kv_dtype = _ORT_TYPES[inputs["past_key_values.0.key"].type]
-        self.ids_dtype = _ORT_TYPES[inputs["input_ids"].type]
-        self.pos_dtype = _ORT_TYPES[inputs["position_ids"].type]
-        logits = next(o for o in self.session.get_outputs() if o.name == "logits")
-        self.vocab_size = int(logits.shape[-1])
-        meta = self.session.get_modelmeta().custom_metadata_map
-        self.window = int(meta.get("edgefinfer.window") or self.slots)
+        self.graphs = [open_graph(self.path, session)]
+        if prefill is not None:
+            self.graphs.append(open_graph(resolve_model_path(prefill), prefill_session))
+        self.graphs.sort(key=lambda g: g.chunk)
+        first = self.graphs[0]
+        layouts = {(g.n_layers, g.n_kv, g.slots, g.head_dim, g.vocab_size) for g in self.graphs}
+        if len(layouts) > 1:
+            raise UserError(f"{self.path} and {prefill} do not share one cache layout: build them from one model "
+                            "with the same cache slots")
+        self.n_layers, self.slots, self.vocab_size, self.kv_dtype = first.n_layers, first.slots, first.vocab_size, \
+            first.kv_dtype
+        self.window = int(first.meta.get("edgefinfer.window") or self.slots)
         # The cache is a ring, so the stream is unbounded; RoPE tables bound the positions.
-        self.max_seq_len = int(meta.get("edgefinfer.max_seq_len", 1 << 30))
-        self._outputs = [o.name for o in self.session.get_outputs()]
-        self.k = np.zeros((self.n_layers, 1, int(n_kv), self.slots, int(head_dim)), self.kv_dtype)
+        self.max_seq_len = int(first.meta.get("edgefinfer.max_seq_len", 1 << 30))
+        self.observer = observer
+        self.k = np.zeros((self.n_layers, 1, first.n_kv, self.slots, first.head_dim), self.kv_dtype)
         self.v = np.zeros_like(self.k)
         self.slot_pos = np.full(self.slots, -1, np.int64)  # absolute position held by each slot
 
-    def _step(self, token: int, pos: int) -> np.ndarray:
-        visible = (self.slot_pos >= 0) & (self.slot_pos < pos) & (pos - self.slot_pos < self.window)
-        bias = np.where(visible, 0.0, MASK_OFF).astype(np.float32)[None, None, None]  # [1, 1, 1, W]
-        feed = {"input_ids": np.array([[token]], self.ids_dtype), "position_ids": np.array([[pos]], self.pos_dtype),
-                "attention_bias": bias}
+    @property
+    def session(self) -> Any:
+        """The token generator's session (the graph with the fewest tokens per call)."""
+        return self.graphs[0].session
+
+    def _graph_for(self, remaining: int) -> _StaticGraph:
+        """One token: the token generator. More: the largest prompt processor they fill, or, for a
+        shorter tail, one padded call of the prompt processor rather than a call per token."""
+        if remaining == 1:
+            return self.graphs[0]
+        full = [g for g in self.graphs if 1 < g.chunk <= remaining]
+        return full[-1] if full else self.graphs[-1]
+
+    def _call(self, graph: _StaticGraph, tokens: Sequence[int], start: int) -> np.ndarray:
+        """Run `tokens` (at most graph.chunk) at positions start..; cache them; return their logits."""
+        n, S = len(tokens), graph.chunk
+        qpos = start + np.arange(S)  # padding continues the positions; nothing real ever sees it
+        visible = ((self.slot_pos[None] >= 0) & (self.slot_pos[None] < start)
+                   & (qpos[:, None] - self.slot_pos[None] < self.window))
+        ids = np.zeros((1, S), graph.ids_dtype)
+        ids[0, :n] = tokens
+        feed = {"input_ids": ids, "position_ids": np.minimum(qpos, self.max_seq_len - 1)[None].astype(graph.pos_dtype),
+                "attention_bias": np.where(visible, 0.0, MASK_OFF).astype(np.float32)[None, None]}  # [1, 1, S, W]
         for i in range(self.n_layers):
             feed[f"past_key_values.{i}.key"] = self.k[i]
             feed[f"past_key_values.{i}.value"] = self.v[i]
-        out = dict(zip(self._outputs, self.session.run(None, feed)))
-        slot = pos % self.slots
+        if self.observer is not None:
+            self.observer(feed)
+        out = dict(zip(graph.outputs, graph.session.run(None, feed)))
+        slots = (start + np.arange(n)) % self.slots
         for i in range(self.n_layers):
-            self.k[i, :, :, slot] = out[f"present.{i}.key"][:, :, 0]
-            self.v[i, :, :, slot] = out[f"present.{i}.value"][:, :, 0]
-        self.slot_pos[slot] = pos
-        return out["logits"].reshape(-1).astype(np.float32)
+            self.k[i][:, :, slots] = out[f"present.{i}.key"][:, :, :n]
+            self.v[i][:, :, slots] = out[f"present.{i}.value"][:, :, :n]
+        self.slot_pos[slots] = start + np.arange(n)
+        return out["logits"].reshape(S, -1)[:n].astype(np.float32)
 
     def forward(self, tokens: Sequence[int], start_pos: int) -> np.ndarray:
         if start_pos + len(tokens) > self.max_seq_len:
             raise UserError(f"position {start_pos + len(tokens)} is beyond the model's RoPE table "
                             f"({self.max_seq_len} positions); re-export with a larger max_seq_len")
         self.rollback(start_pos)
-        return np.stack([self._step(t, start_pos + j) for j, t in enumerate(tokens)]) if tokens else \
-            np.zeros((0, self.vocab_size), np.float32)
+        out, i = [], 0
+        while i < len(tokens):
+            graph = self._graph_for(len(tokens) - i)
+            n = min(graph.chunk, len(tokens) - i)
+            out.append(self._call(graph, tokens[i:i + n], start_pos + i))
+            i += n
+        return np.concatenate(out) if out else np.zeros((0, self.vocab_size), np.float32)
 
     def rollback(self, length: int) -> None:
         """Hide positions >= length. Exact for k rolled-back tokens when slots >= window - 1 + k (the
