@@ -7,10 +7,12 @@ and each call refuses to run out of it.
 
 Weight types: F32, F16, BF16, Q8_0, Q4_0 written by gguf-py; K-quants (Q4_K_M, Q5_K_M, Q6_K, ...)
 by a second pass through llama.cpp's own quantizer (`llama_model_quantize`) over an F32 file.
-A layer already quantized by `edgefinfer.compile.quant` to symmetric group-32 int4 / int8 keeps its
-codes: it is re-packed bit for bit into Q4_0 / Q8_0 whatever the requested type (so a mixed-precision
-model stays mixed); other quantized layers are dequantized and re-quantized to the requested type,
-and the exporter says so. The requested type applies to float matrices.
+A layer already quantized by `edgefinfer.compile.quant` keeps its codes: group-32 symmetric int4 is
+re-packed bit for bit into Q4_0, asymmetric int4 into Q4_1, symmetric int8 into Q8_0, whatever the
+requested type (so a mixed-precision model stays mixed). A quantized layer with no exact GGUF type
+(another group size, per-channel, int8 activations, fp8) is refused with the recipes that work:
+re-quantizing it would ship a file whose weights are neither ours nor llama.cpp's best. The
+requested type applies to float matrices.
 
 llama.cpp's `llama` architecture rotates interleaved pairs where HF rotates halves, so q and k rows
 are permuted inside each head (the inverse of `edgefinfer.gguf_import.unpermute_qk`). The file is
@@ -201,12 +203,8 @@ class GGUFExporter:
         want = {"f32": gguf.GGMLQuantizationType.F32, "f16": gguf.GGMLQuantizationType.F16,
                 "bf16": gguf.GGMLQuantizationType.BF16, "q8_0": gguf.GGMLQuantizationType.Q8_0,
                 "q4_0": gguf.GGMLQuantizationType.Q4_0}[dtype]
-        if module is not None:  # an edgefinfer quantized layer keeps its own codes when a GGUF type fits
-            packed = _repack(module, heads if permute else None)
-            if packed is not None:
-                return packed
-            self.notes.append(f"{name}: {module.fmt.label()} has no GGUF twin, re-quantized to {dtype.upper()}")
-            tensor = module.dequantized()
+        if module is not None:  # an edgefinfer quantized layer keeps its own codes
+            return _repack(name, module, heads if permute else None)
         w = tensor.detach().float().numpy()
         if permute:
             w = permute_qk(w, heads)
@@ -233,11 +231,11 @@ class GGUFExporter:
 
 def _named_tensors(model: Transformer):
     """(HF name, quantized module or None, float tensor or None) for every weight of the model."""
-    from edgefinfer.compile.quant.modules import QuantEmbedding, QuantLinear
+    from edgefinfer.compile.quant.modules import QUANT_MODULES
 
     seen = set()
     for mod_name, module in model.named_modules():
-        if isinstance(module, (QuantLinear, QuantEmbedding)):
+        if isinstance(module, QUANT_MODULES):
             yield f"{mod_name}.weight", module, None
             if getattr(module, "bias", None) is not None:
                 yield f"{mod_name}.bias", None, module.bias
@@ -247,22 +245,51 @@ def _named_tensors(model: Transformer):
             yield name, None, param
 
 
-def _repack(module, permute_heads: int | None):
-    """(bytes, type) of a symmetric group-32 int4 / int8 layer as Q4_0 / Q8_0, else None."""
+# Recipes whose every layer has an exact GGUF type (named in refusals).
+GGUF_RECIPES = ("int4-g32-sym (Q4_0)", "int4[-gptq|-awq]-g32 (asym, Q4_1)", "int8-g32-emb8 (Q8_0)",
+                "with -emb8 or -emb4 embeddings")
+
+
+def no_gguf_type(what: str, label: str, why: str = "") -> UserError:
+    return UserError(f"{what} is {label}{why}, which has no exact GGUF type (llama.cpp would run other weights "
+                     f"than ours); GGUF takes group-32 recipes: {', '.join(GGUF_RECIPES)}")
+
+
+def gguf_types_for(model: Transformer, recipe) -> dict[str, str]:
+    """Layer -> GGUF type that `recipe` (a QuantRecipe) gives each quantized layer of `model`; a
+    one-line UserError, before any work, if one has no exact type."""
+    from edgefinfer.compile.quant.apply import plan_formats
+    from edgefinfer.compile.quant.layouts import gguf_type_of
+
+    if recipe.activations != "none":
+        raise no_gguf_type(f"recipe {recipe.name}", "8-bit dynamic activations (XNNPACK's scheme)",
+                           "; llama.cpp quantizes activations its own way")
+    types = {}
+    for name, fmt in plan_formats(model, recipe).items():
+        if fmt is None:
+            continue
+        k = model.get_submodule(name).weight.shape[1]
+        types[name] = gguf_type_of(fmt, fmt.group_for(k, name) if fmt.kind == "int" else None)
+        if types[name] is None:
+            raise no_gguf_type(f"recipe {recipe.name}: {name}", fmt.label())
+    return types
+
+
+def _repack(name: str, module, permute_heads: int | None):
+    """(bytes, type) of a group-32 int4 / int8 layer as Q4_0 (sym), Q4_1 (asym) or Q8_0 (sym)."""
     import gguf
 
-    from edgefinfer.compile.quant.layouts import to_gguf_q4_0, to_gguf_q8_0
+    from edgefinfer.compile.quant.layouts import gguf_type_of, to_gguf_q4_0, to_gguf_q4_1, to_gguf_q8_0
 
-    fmt = module.fmt
-    if not (fmt.kind == "int" and fmt.symmetric and module.group_size == 32 and fmt.bits in (4, 8)):
-        return None
-    if fmt.bits == 4:
-        data, qtype = to_gguf_q4_0(module), gguf.GGMLQuantizationType.Q4_0  # [N, bytes per row]
-    else:
-        data, qtype = to_gguf_q8_0(module), gguf.GGMLQuantizationType.Q8_0
+    if getattr(module, "act_quant", False):
+        raise no_gguf_type(name, f"{module.fmt.label()} with int8 dynamic activations")
+    qtype = gguf_type_of(module.fmt, getattr(module, "group_size", None))
+    if qtype is None:
+        raise no_gguf_type(name, module.fmt.label())
+    data = {"Q4_0": to_gguf_q4_0, "Q4_1": to_gguf_q4_1, "Q8_0": to_gguf_q8_0}[qtype](module)  # [N, bytes per row]
     if permute_heads is not None:  # rows are independent: permuting them commutes with quantization
         data = permute_qk(data, permute_heads)
-    return data, qtype
+    return data, gguf.GGMLQuantizationType[qtype]
 
 
 def export_gguf(model: Transformer, tokenizer: Tokenizer, path: str | Path, dtype: str = "f16") -> dict:
@@ -275,8 +302,12 @@ def export_gguf(model: Transformer, tokenizer: Tokenizer, path: str | Path, dtyp
     exporter.add_config(model.config).add_tokenizer(tokenizer).add_weights(model, dtype).write()
     for note in exporter.notes:
         print(f"  gguf: {note}", file=sys.stderr)
-    return {"gguf_type": dtype, "tensor_types": sorted(set(exporter.tensor_types.values())),
-            "notes": exporter.notes}
+    counts: dict[str, int] = {}
+    for qtype in exporter.tensor_types.values():
+        counts[qtype] = counts.get(qtype, 0) + 1
+    # The type of the decoder's matrices (what a user calls the file's type), and every type present.
+    main = exporter.tensor_types.get("blk.0.attn_q.weight", dtype.upper())
+    return {"gguf_type": main.lower(), "tensor_types": dict(sorted(counts.items())), "notes": exporter.notes}
 
 
 def _export_k_quant(model: Transformer, tokenizer: Tokenizer, path: Path, dtype: str) -> dict:

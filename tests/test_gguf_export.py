@@ -7,6 +7,7 @@ import torch
 
 from edgefinfer.compile.gguf_export import GGUFExporter, export_gguf
 from edgefinfer.compile.quant.apply import quantize_model
+from edgefinfer.compile.quant.modules import QuantLinear
 from edgefinfer.compile.quant.recipe import parse_recipe
 from edgefinfer.errors import UserError
 from edgefinfer.gguf_import import import_gguf, open_gguf
@@ -54,12 +55,23 @@ def test_llamacpp_runs_our_export(tmp_path, tok, dtype, tol, arch):
         assert plain == list(generate_ids(model, ids, 24))
 
 
-def test_quantized_model_repacks_bit_for_bit_into_q4_0(tmp_path, tok):
+@pytest.mark.llamacpp
+@pytest.mark.parametrize("recipe, linears, embedding", [("int4-g32-sym", "Q4_0", "Q8_0"),
+                                                        ("int4-g32", "Q4_1", "Q8_0"),
+                                                        ("int4-g32-sym-emb4", "Q4_0", "Q4_0"),
+                                                        ("int8-g32-emb8", "Q8_0", "Q8_0")])
+def test_quantized_model_repacks_bit_for_bit(tmp_path, tok, recipe, linears, embedding):
+    """Our codes go into their exact GGUF type (sym int4 g32 -> Q4_0, asym -> Q4_1, int8 g32 -> Q8_0),
+    the file holds our weights bit for bit, and llama.cpp computes our eager quantized model's logits."""
     model = model_for(tok)
-    quantize_model(model, parse_recipe("int4-g32-sym"))
-    export_gguf(model, tok, tmp_path / "q.gguf", "q4_0")
+    float_logits = eager_logits(model, tok.encode(PROMPT))
+    quantize_model(model, parse_recipe(recipe))
+    meta = export_gguf(model, tok, tmp_path / "q.gguf", "f16")
     types = {t.name: t.tensor_type.name for t in open_gguf(tmp_path / "q.gguf").reader.tensors}
-    assert types["blk.0.attn_q.weight"] == "Q4_0" and types["blk.0.attn_norm.weight"] == "F32"
+    assert types["blk.0.attn_q.weight"] == types["blk.1.ffn_down.weight"] == linears
+    assert types["token_embd.weight"] == types["output.weight"] == embedding
+    assert types["blk.0.attn_norm.weight"] == "F32"
+    assert meta["gguf_type"] == linears.lower() and meta["tensor_types"][linears] >= 14
     imported, _ = import_gguf(tmp_path / "q.gguf")
     ref = dict(model.named_modules())
     quantized = [n for n, m in ref.items() if hasattr(m, "dequantized")]
@@ -69,9 +81,43 @@ def test_quantized_model_repacks_bit_for_bit_into_q4_0(tmp_path, tok):
     ids = tok.encode(PROMPT)
     got = LlamaCppBackend(tmp_path / "q.gguf", n_ctx=128, threads=1).forward(ids, 0)
     want = eager_logits(model, ids)
-    # llama.cpp quantizes activations to 8 bits for Q4_0 matmuls; the weights themselves are exact,
-    # so the remaining error is a small fraction of the logits' spread.
-    assert np.abs(got - want).mean() < 0.1 * want.std()
+    # llama.cpp rounds the activations of quantized matmuls to 8 bits (Q8_0 / Q8_1 blocks of 32), a small
+    # part of what quantizing the weights did; with that rounding restated in eager torch, the
+    # logits agree to float noise: the file computes exactly our quantized model.
+    assert np.abs(got - want).mean() < 0.1 * np.abs(want - float_logits).mean() or linears == "Q8_0"
+    hooks = [m.register_forward_hook(llamacpp_matmul) for m in model.modules() if isinstance(m, QuantLinear)]
+    assert np.abs(got - eager_logits(model, ids)).max() < 1e-4
+    for h in hooks:
+        h.remove()
+
+
+def llamacpp_matmul(module, args, out):
+    """A QuantLinear's output as llama.cpp's CPU kernels compute it: activations rounded per block of 32
+    (d = amax / 127 stored in fp16, q = round(x / d), as quantize_row_q8_0 / q8_1 do); for Q4_1 the
+    block minimum m multiplies Q8_1's fp16 s = fp16(d * sum(q)) instead of sum(q) * fp16(d)."""
+    x = args[0]
+    blocks = x.reshape(*x.shape[:-1], -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    q = torch.round(blocks * torch.where(d > 0, 1 / d, torch.zeros_like(d)))
+    d16 = d.half().float()
+    y = torch.nn.functional.linear((q * d16).reshape(x.shape), module.dequantized())
+    if not module.fmt.symmetric:
+        m = -module.scales.float() * (module.zeros.float() + 8)  # [N, blocks]
+        s = (q.sum(-1, keepdim=True) * d).half().float()
+        y = y + torch.einsum("...g,ng->...n", (s - d16 * q.sum(-1, keepdim=True))[..., 0], m)
+    return y if module.bias is None else y + module.bias
+
+
+@pytest.mark.parametrize("recipe, message", [("int4-g64", "int4-g64-asym, which has no exact GGUF type"),
+                                             ("int8", "int8-pc-sym, which has no exact GGUF type"),
+                                             ("8da4w-g32-emb8", "dynamic activations")])
+def test_formats_without_an_exact_gguf_type_are_refused(tmp_path, tok, recipe, message):
+    model = model_for(tok)
+    quantize_model(model, parse_recipe(recipe))
+    with pytest.raises(UserError, match=message) as e:
+        export_gguf(model, tok, tmp_path / "q.gguf", "f16")
+    assert "int4-g32-sym (Q4_0)" in str(e.value) and "\n" not in str(e.value)
+    assert not list(tmp_path.iterdir())  # nothing written, not even the temporary
 
 
 def test_k_quant_goes_through_llamacpp_quantizer(tmp_path, tok):
