@@ -6,9 +6,13 @@ when complete (`edgefinfer.bundle.BundleWriter`), so Ctrl-C or a kill never leav
 
 Perplexity is measured on the same test tokens for the float model (eager torch) and for the
 artefact run by its own runtime (ExecuTorch, ONNX Runtime, llama.cpp), so the delta is the cost of
-the whole path, not only of quantization. With `--quality-budget PCT` the build first scores each
-candidate recipe of the target's format on the eager quantized model and keeps the smallest one
-whose perplexity increase stays within PCT percent.
+the whole path, not only of quantization. With `--quality-budget PCT` the build tries the candidate
+recipes of the target's format smallest first: a candidate that cannot apply to the model (a group
+size that does not divide its widths, a format the artefact cannot hold) is skipped with the reason;
+each other one is quantized exactly as the exporter will quantize it and scored on the eager model;
+the first within budget is compiled and measured again by its own runtime, and it ships only if
+that measurement is within budget too (else the next candidate is tried). When none is, the build
+fails with one line naming the best it reached, and nothing is written.
 """
 
 from __future__ import annotations
@@ -27,11 +31,13 @@ from edgefinfer.bundle import BundleWriter
 from edgefinfer.errors import UserError
 from edgefinfer.targets import Target, get_target
 
-# Candidate recipes per artefact format, smallest first (for --quality-budget).
+# Candidate recipes per artefact format for --quality-budget, smallest first; at one size the cheap
+# round-to-nearest one before the data-aware one (GPTQ: about a minute on the reference model).
 CANDIDATES: dict[str, list[str]] = {
-    "pte": ["8da4w-g128-emb4", "8da4w-g32-emb4", "8da8w", "fp32"],
-    "onnx": ["int4-g32", "int8", "fp32"],
-    "gguf": ["int4-g32-sym-emb8", "int8-g32-emb8", "fp16"],
+    "pte": ["8da4w-g128-emb4", "8da4w-g32-emb4", "8da4w-gptq-g32-emb4", "8da4w-g32", "8da4w-gptq-g32", "8da8w",
+            "fp32"],
+    "onnx": ["int4-g64", "int4-g32", "int4-gptq-g32", "int8", "fp32"],
+    "gguf": ["int4-g32-sym", "int4-g32", "int4-gptq-g32", "int8-g32-emb8", "fp16"],
 }
 FLOAT_RECIPES = ("fp32", "fp16")
 
@@ -75,6 +81,7 @@ def default_out(target: str) -> Path:
 def build(opts: BuildOptions) -> Path:
     target = get_target(opts.target)
     target.check()  # a missing SDK fails here, before any work
+    _check_budget(target, opts)
     artefact_window(target, opts.kv)  # so does a cache layout the target cannot have
     if opts.draft is not None and not Path(opts.draft).is_dir():
         raise UserError(f"draft model folder {opts.draft} does not exist")
@@ -103,30 +110,43 @@ def build(opts: BuildOptions) -> Path:
         recipe = prequantized
         done = log.step(3, n_steps, f"use the checkpoint's quantization ({recipe})")
         quantized = model
-    elif opts.quality_budget is not None:
+    tried: list[Candidate] = []
+    if opts.quality_budget is not None:
         done = log.step(3, n_steps, f"choose the smallest recipe within +{opts.quality_budget}% perplexity")
-        recipe = choose_recipe(model, target, float_ppl, test_ids, opts)
+        candidates = eager_candidates(model, target, tokenizer, float_ppl, test_ids, opts, tried)
     else:
-        done = log.step(3, n_steps, f"quantize ({recipe})")
-    if prequantized is None:
-        quantized = quantize_for(model, target, recipe, tokenizer)
+        if prequantized is None:
+            done = log.step(3, n_steps, f"quantize ({recipe})")
+            check_recipe(model, target, recipe)
+            quantized = quantize_for(model, target, recipe, tokenizer)
+        candidates = iter([(recipe, quantized)])
+    recipe, quantized = next(candidates, (None, None))
+    if recipe is None:
+        raise budget_error(target, opts.quality_budget, tried)
     done(f": {recipe}")
 
     model_meta = {"name": folder.name, "config": model.config.to_hf(), "source": str(folder)}
     with BundleWriter(out, target=target.name, model=model_meta) as writer:
-        done = log.step(4, n_steps, f"compile {target.format} for {target.name}")
-        t_build = time.perf_counter()
-        art_files, meta = compile_artefact(target, quantized, tokenizer, recipe, writer.tmp, opts)
-        build_s = time.perf_counter() - t_build
-        done()
-        tokenizer.save(writer.tmp)
+        tokenizer.save(writer.tmp)  # beside the artefact: its runtime loads it to evaluate
+        while True:  # with a budget: until a compiled artefact's own runtime confirms it
+            done = log.step(4, n_steps, f"compile {target.format} for {target.name} ({recipe})")
+            t_build = time.perf_counter()
+            art_files, meta = compile_artefact(target, quantized, tokenizer, recipe, writer.tmp, opts)
+            build_s = time.perf_counter() - t_build
+            done()
+            done = log.step(5, n_steps, "evaluate the artefact with its runtime")
+            figures = evaluate_artefact(target, writer.tmp / art_files[0], test_ids, float_ppl, opts) \
+                if target.runs_here and test_ids else {}
+            done()
+            if opts.quality_budget is None or _confirmed(figures, opts.quality_budget, tried, target):
+                break
+            for f in art_files:  # over budget on its runtime: try the next candidate
+                (writer.tmp / f).unlink(missing_ok=True)
+            recipe, quantized = next(candidates, (None, None))
+            if recipe is None:
+                raise budget_error(target, opts.quality_budget, tried)
         for name in ("tokenizer.json", "tokenizer_config.json"):
             writer.add(name, format="tokenizer", role="tokenizer")
-
-        done = log.step(5, n_steps, "evaluate the artefact with its runtime")
-        figures = evaluate_artefact(target, writer.tmp / art_files[0], test_ids, float_ppl, opts) \
-            if target.runs_here and test_ids else {}
-        done()
         main = art_files[0]
         writer.add(main, format=target.format, role="model", backend=target.backend, recipe=recipe,
                    **_manifest_meta(meta), metrics={**figures, "build_s": round(build_s, 1)})
@@ -136,6 +156,8 @@ def build(opts: BuildOptions) -> Path:
             _add_draft(writer, target, Path(opts.draft), tokenizer, opts)
         writer.manifest.recipe = {"name": recipe, "target_default": target.recipe,
                                   "quality_budget_pct": opts.quality_budget}
+        if tried:
+            writer.manifest.recipe["candidates"] = [c.to_dict() for c in tried]
         writer.manifest.metrics = {"float_ppl": float_ppl, "eval_tokens": len(test_ids),
                                    "eval_split": "test", **figures, "build_s": round(build_s, 1)}
         bundle = writer.commit()
@@ -196,18 +218,26 @@ def _perplexity_of(logits_fn, ids: list[int], window: int) -> float:
 
 
 def quantize_for(model, target: Target, recipe: str, tokenizer):
-    """The model as the exporter should see it: quantized by our recipes, or float."""
-    if recipe in FLOAT_RECIPES or recipe.startswith("qdq-") or recipe in ("8da8w",):
-        return model  # exporters handle float, Core ML fp16, QNN QDQ and torchao's 8da8w themselves
+    """The model as the exporter should see it: quantized by our recipes, or float. What comes back
+    is what the artefact computes (the exporters re-pack quantized layers without re-quantizing), so
+    its eager perplexity is the artefact's up to the runtime's float arithmetic."""
+    if recipe in FLOAT_RECIPES or recipe.startswith("qdq-"):
+        return model  # exporters handle float, Core ML fp16 and QNN QDQ (calibrated on the float model)
+    if recipe == "8da8w":  # the ExecuTorch exporter's own 8da8w quantization, done here so it can be measured
+        from edgefinfer.compile.et_quant import quantize_for_xnnpack
+
+        return quantize_for_xnnpack(model, "8da8w")
     from edgefinfer.compile.quant.apply import quantize_model
     from edgefinfer.compile.quant.recipe import parse_recipe
 
     parsed = parse_recipe(recipe)
     calib = None
-    if parsed.method in ("gptq", "awq"):
-        from edgefinfer.data import load_text, token_blocks
+    if parsed.method != "rtn":
+        from edgefinfer.data import SPLITS, load_text, token_blocks
 
-        calib = token_blocks(tokenizer.encode(load_text("calib")), 256, 16, seed=0)
+        # 16 blocks of 256 tokens (a minute of GPTQ on the reference model), across kinds of text.
+        split = "calib-mix" if "calib-mix" in SPLITS else "calib"
+        calib = token_blocks(tokenizer.encode(load_text(split)), 256, 16, seed=0)
     quantized = copy.deepcopy(model)
     quantize_model(quantized, parsed, calib, progress=lambda m: print(f"  {m}", file=sys.stderr))
     return quantized
@@ -221,8 +251,8 @@ def compile_artefact(target: Target, model, tokenizer, recipe: str, folder: Path
     if target.format == "gguf":
         from edgefinfer.compile.gguf_export import export_gguf
 
-        dtype = "f16" if recipe in FLOAT_RECIPES else "q8_0"
-        return ["model.gguf"], export_gguf(model, tokenizer, folder / "model.gguf", dtype)
+        # Quantized layers keep their codes (Q4_0 / Q4_1 / Q8_0, or refused); float matrices are F16.
+        return ["model.gguf"], export_gguf(model, tokenizer, folder / "model.gguf", "f16")
     if target.format == "pte":
         from edgefinfer.compile.executorch_export import export_pte
 
@@ -310,24 +340,100 @@ def evaluate_artefact(target: Target, path: Path, test_ids: list[int], float_ppl
             **({"measured_on": "onnxruntime CPU EP, QDQ graphs"} if target.format == "qnn-context" else {})}
 
 
-def choose_recipe(model, target: Target, float_ppl: float | None, test_ids: list[int], opts: BuildOptions) -> str:
-    """The smallest candidate recipe whose eager perplexity stays within the budget."""
-    if float_ppl is None:
+def check_recipe(model, target: Target, recipe: str) -> None:
+    """A one-line UserError, before any work, if `recipe` cannot make `target`'s artefact from `model`."""
+    if recipe in FLOAT_RECIPES or recipe.startswith("qdq-") or (recipe == "8da8w" and target.format == "pte"):
+        return  # the exporters check these themselves, up front
+    from edgefinfer.compile.quant.apply import plan_formats
+    from edgefinfer.compile.quant.recipe import parse_recipe
+
+    parsed = parse_recipe(recipe)
+    plan_formats(model, parsed)  # group sizes that do not divide the model's widths, tied-head formats
+    if target.format == "gguf":
+        from edgefinfer.compile.gguf_export import gguf_types_for
+
+        gguf_types_for(model, parsed)  # only formats with an exact GGUF type
+    elif target.format == "pte" and parsed.activations != "int8-per-token":
+        raise UserError(f"recipe {recipe}: ExecuTorch's XNNPACK runs 8da4w-* recipes (int4 weights, int8 dynamic "
+                        "activations), 8da8w or fp32")
+
+
+@dataclass
+class Candidate:
+    """One --quality-budget candidate: skipped (why), or its eager and, if compiled, runtime figures."""
+
+    recipe: str
+    skipped: str | None = None
+    size_bytes: int | None = None
+    eager_ppl_delta: float | None = None
+    runtime_ppl_delta: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if v is not None}
+
+
+def _check_budget(target: Target, opts: BuildOptions) -> None:
+    """--quality-budget's one-line errors, before any work."""
+    if opts.quality_budget is None:
+        return
+    if opts.quality_budget < 0:
+        raise UserError(f"--quality-budget is a perplexity increase in percent, >= 0; got {opts.quality_budget:g}")
+    if opts.recipe:
+        raise UserError("give --recipe or --quality-budget, not both (the budget chooses the recipe)")
+    if opts.eval_tokens <= 0:
         raise UserError("--quality-budget needs an evaluation (drop --eval-tokens 0)")
+    if not target.runs_here:
+        raise UserError(f"--quality-budget measures the artefact with its runtime, which cannot run {target.name}'s "
+                        f"artefact on this host; give --recipe instead")
+
+
+def eager_candidates(model, target: Target, tokenizer, float_ppl: float, test_ids: list[int], opts: BuildOptions,
+                     tried: list[Candidate]):
+    """Yield (recipe, quantized model) for each candidate, smallest first, whose eager perplexity is
+    within budget; every candidate's outcome (skipped and why, or measured) is appended to `tried`."""
     from edgefinfer.compile.quant.modules import model_size_bytes
 
-    tried = []
     for recipe in CANDIDATES.get(target.format, [target.recipe]):
-        quantized = quantize_for(model, target, recipe, None)
+        try:
+            check_recipe(model, target, recipe)
+        except UserError as e:
+            print(f"  candidate {recipe:<22} skipped: {e}", file=sys.stderr)
+            tried.append(Candidate(recipe, skipped=str(e)))
+            continue
+        quantized = quantize_for(model, target, recipe, tokenizer)
         ppl = _perplexity_of(lambda ids: quantized(ids), test_ids, opts.eval_window)
-        delta = 100 * (ppl / float_ppl - 1)
-        tried.append((recipe, ppl, delta, model_size_bytes(quantized)))
-        print(f"  candidate {recipe:<22} ppl {ppl:8.3f} ({delta:+.2f}%)", file=sys.stderr)
-        if delta <= opts.quality_budget:
-            return recipe
-    raise UserError(f"no recipe for {target.name} stays within +{opts.quality_budget}% perplexity "
-                    f"(best: {min(tried, key=lambda t: t[2])[0]} at {min(t[2] for t in tried):+.2f}%); "
-                    f"raise --quality-budget")
+        tried.append(Candidate(recipe, size_bytes=model_size_bytes(quantized),
+                               eager_ppl_delta=round(100 * (ppl / float_ppl - 1), 3)))
+        within = tried[-1].eager_ppl_delta <= opts.quality_budget
+        print(f"  candidate {recipe:<22} eager ppl {ppl:8.3f} ({tried[-1].eager_ppl_delta:+.2f}%) "
+              f"{'within budget: compile it' if within else 'over budget'}", file=sys.stderr)
+        if within:
+            yield recipe, quantized
+
+
+def _confirmed(figures: dict[str, Any], budget: float, tried: list[Candidate], target: Target) -> bool:
+    """Is the compiled artefact, measured by its own runtime, within budget? (Records the figure.)"""
+    if figures.get("ppl_delta_pct") is None:
+        raise UserError(f"--quality-budget: {target.name}'s artefact could not be measured by its runtime here; "
+                        "give --recipe instead")
+    tried[-1].runtime_ppl_delta = round(figures["ppl_delta_pct"], 3)
+    ok = figures["ppl_delta_pct"] <= budget
+    print(f"  candidate {tried[-1].recipe:<22} measured by {target.backend}: {figures['ppl_delta_pct']:+.2f}% "
+          f"{'within budget' if ok else 'over budget: next candidate'}", file=sys.stderr)
+    return ok
+
+
+def budget_error(target: Target, budget: float, tried: list[Candidate]) -> UserError:
+    """One line: nothing met the budget; the best any candidate reached (its runtime figure if compiled)."""
+    measured = [(c.runtime_ppl_delta if c.runtime_ppl_delta is not None else c.eager_ppl_delta, c)
+                for c in tried if c.eager_ppl_delta is not None]
+    if not measured:
+        return UserError(f"no candidate recipe applies to this model for {target.name} "
+                         f"({'; '.join(f'{c.recipe}: {c.skipped}' for c in tried)})")
+    delta, best = min(measured, key=lambda t: t[0])
+    how = f"measured by {target.backend}" if best.runtime_ppl_delta is not None else "eager"
+    return UserError(f"no recipe for {target.name} stays within +{budget:g}% perplexity: the best, {best.recipe}, "
+                     f"reached {delta:+.2f}% ({how}); raise --quality-budget or pass --recipe")
 
 
 def _add_draft(writer: BundleWriter, target: Target, draft: Path, tokenizer, opts: BuildOptions) -> None:

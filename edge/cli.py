@@ -200,8 +200,9 @@ def targets(as_json: bool) -> None:
 @click.option("--target", "-t", required=True, help="Device family (see `edgefinfer targets`).")
 @click.option("--model", "-m", default=None, help="HF folder or shipped model name (default: the reference model).")
 @click.option("--recipe", "-r", default=None, help="Quantization recipe (default: the target's).")
-@click.option("--quality-budget", type=click.FloatRange(min=0), default=None,
-              help="Pick the smallest recipe whose perplexity increase stays within this many percent.")
+@click.option("--quality-budget", type=float, default=None,  # < 0 is build's one-line error, not click's usage
+              help="Pick the smallest recipe whose perplexity increase, measured on the built artefact by its "
+              "runtime, stays within this many percent (fails, writing nothing, if none does).")
 @click.option("-o", "--out", default=None, help="Bundle folder (default: dist/TARGET).")
 @click.option("--max-seq-len", default=1024, show_default=True, type=click.IntRange(16),
               help="Positions the artefact's static KV cache holds.")

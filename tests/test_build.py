@@ -3,6 +3,7 @@ interrupted or killed build leaves nothing at the destination and a rerun succee
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -61,6 +62,68 @@ def test_bundle_runs_in_its_runtime(tmp_path, tiny_dir, target, artefact):
     assert manifest.tools["torch"] and manifest.recipe["name"]
     out = Engine.load(tmp_path / "b").generate("It is a truth", max_tokens=12)
     assert out.stats.generated_tokens == 12
+
+
+def test_quality_budget_takes_the_smallest_recipe_its_runtime_confirms(tmp_path, tiny_dir):
+    """gpu-server candidates, smallest first: Q4_0 costs this model +4% (eager), over a 2% budget;
+    asymmetric int4 (Q4_1) is within it, is compiled, and llama.cpp's own measurement confirms it."""
+    proc = cli("build", "--target", "gpu-server", "--model", str(tiny_dir), "-o", str(tmp_path / "b"),
+               "--eval-tokens", "256", "--quality-budget", "2")
+    assert proc.returncode == 0, proc.stderr
+    manifest = load_manifest(tmp_path / "b", target="gpu-server")
+    tried = {c["recipe"]: c for c in manifest.recipe["candidates"]}
+    assert list(tried) == ["int4-g32-sym", "int4-g32"]
+    assert tried["int4-g32-sym"]["eager_ppl_delta"] > 2 and "runtime_ppl_delta" not in tried["int4-g32-sym"]
+    assert manifest.recipe["name"] == "int4-g32" and manifest.recipe["quality_budget_pct"] == 2
+    art = manifest.artefact("model")
+    assert art.meta["gguf_type"] == "q4_1" and set(art.meta["tensor_types"]) == {"Q4_1", "Q8_0", "F32"}
+    assert manifest.metrics["ppl_delta_pct"] <= 2
+    assert tried["int4-g32"]["runtime_ppl_delta"] == round(manifest.metrics["ppl_delta_pct"], 3)
+
+
+def test_quality_budget_skips_candidates_that_cannot_apply(tmp_path, tiny_dir):
+    """android: int4 groups of 128 do not divide this model's 64-wide layers: skipped, reason printed;
+    the next candidate is quantized as the exporter does, compiled, and measured by ExecuTorch."""
+    proc = cli("build", "--target", "android", "--model", str(tiny_dir), "-o", str(tmp_path / "b"),
+               "--eval-tokens", "128", "--max-seq-len", "128", "--quality-budget", "50")
+    assert proc.returncode == 0, proc.stderr
+    assert "8da4w-g128-emb4        skipped: group size 128 does not divide the input dimension 64" in proc.stderr
+    manifest = load_manifest(tmp_path / "b", target="android")
+    first, chosen = manifest.recipe["candidates"]
+    assert first["recipe"] == "8da4w-g128-emb4" and "group size 128" in first["skipped"]
+    assert chosen["recipe"] == manifest.recipe["name"] == "8da4w-g32-emb4"
+    assert abs(chosen["runtime_ppl_delta"] - chosen["eager_ppl_delta"]) < 0.5  # the .pte computes the eager model
+    assert manifest.metrics["ppl_delta_pct"] <= 50
+
+
+def test_quality_budget_nobody_meets_fails_naming_the_best(tmp_path, tiny_dir, monkeypatch):
+    """Without a float candidate to fall back on, a budget no quantized recipe meets is a one-line error
+    naming the best candidate and its figure; nothing is written."""
+    from edgefinfer import build as build_mod
+
+    monkeypatch.setitem(build_mod.CANDIDATES, "gguf", ["int4-g64-sym", "int4-g32-sym-emb4", "int4-g32-sym"])
+    dest = tmp_path / "b"
+    with pytest.raises(UserError) as e:
+        build_mod.build(build_mod.BuildOptions(target="gpu-server", model=tiny_dir, out=dest, eval_tokens=256,
+                                               quality_budget=1))
+    assert re.fullmatch(r"no recipe for gpu-server stays within \+1% perplexity: the best, int4-g32-sym, reached "
+                        r"\+4\.\d\d% \(eager\); raise --quality-budget or pass --recipe", str(e.value)), str(e.value)
+    assert not dest.exists() and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--quality-budget", "-1"), "--quality-budget is a perplexity increase in percent, >= 0; got -1"),
+    (("--quality-budget", "5", "--recipe", "int8"), "give --recipe or --quality-budget, not both"),
+    (("--quality-budget", "5", "--eval-tokens", "0"), "--quality-budget needs an evaluation"),
+    (("--recipe", "int4-g64"), "int4-g64-asym, which has no exact GGUF type"),
+    (("--recipe", "int8"), "is int8-pc-sym, which has no exact GGUF type"),
+])
+def test_bad_budgets_and_recipes_without_a_gguf_type_fail_in_one_line(tmp_path, tiny_dir, args, message):
+    proc = cli("build", "--target", "gpu-server", "--model", str(tiny_dir), "-o", str(tmp_path / "b"),
+               "--eval-tokens", "64", *args)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert proc.stderr.strip().count("\n") == 0 or "[build" in proc.stderr  # progress lines, then one error line
+    assert "Traceback" not in proc.stderr and not (tmp_path / "b").exists()
 
 
 @pytest.mark.parametrize("target, kv, sinks", [("linux-x86_64", "window:64", None),
