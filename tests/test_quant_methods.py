@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from edgefinfer.compile.quant.apply import plan_formats, quantize_model
-from edgefinfer.compile.quant.awq import fold_scale, scaling_groups, search_scale
-from edgefinfer.compile.quant.gptq import gptq_quantize
+from edgefinfer.compile.quant.awq import apply_clip, fold_scale, scaling_groups, search_clip, search_scale
+from edgefinfer.compile.quant.gptq import gptq_damp_sweep, gptq_quantize, output_error
 from edgefinfer.compile.quant.modules import Fp8Linear, QuantEmbedding, QuantLinear, model_size_bytes
 from edgefinfer.compile.quant.primitives import dequantize_int, int_error_bound, quantize_int
 from edgefinfer.compile.quant.recipe import AWQSettings, GPTQSettings, WeightFormat, parse_recipe
@@ -178,3 +178,143 @@ def test_tied_embeddings_need_one_format():
     with pytest.raises(UserError, match="ties lm_head to its embeddings"):
         plan_formats(tiny_model(tie_word_embeddings=True), recipe)
     plan_formats(tiny_model(tie_word_embeddings=False), recipe)  # untied: fine
+
+
+# ---- the authors' refinements: AWQ clipping, true-sequential GPTQ, damping sweep, AWQ+GPTQ, head ------------
+
+def heavy_tailed_weights(n: int, k: int, seed: int = 1) -> torch.Tensor:
+    """Student-t weights: a few large ones per group stretch the RTN grid, as in trained linears."""
+    torch.manual_seed(seed)
+    return torch.distributions.StudentT(torch.tensor(3.0)).sample(torch.Size((n, k))) * 0.05
+
+
+def test_awq_clip_search_cuts_the_error_scales_leave():
+    torch.manual_seed(0)
+    k, n = 128, 64
+    x_fit, x_new = correlated_inputs(512, k, 0), correlated_inputs(512, k, 1)
+    w = heavy_tailed_weights(n, k)
+    fmt = WeightFormat("int", 4, 32, False)
+    ratios, loss, unclipped = search_clip(x_fit, w, fmt, AWQSettings())
+    assert ratios.shape == (n, k // 32) and ((ratios >= 0.5) & (ratios <= 1)).all() and (ratios < 1).any()
+    assert loss < 0.9 * unclipped  # on its own objective
+    clipped = nn.Linear(k, n, bias=False)
+    clipped.weight.data.copy_(w)
+    apply_clip(clipped, ratios, fmt)
+    err = lambda x, wq: ((x @ (w - wq).T) ** 2).mean().item()  # noqa: E731
+    rtn = dequantize_int(*quantize_int(w, fmt))
+    assert err(x_new, dequantize_int(*quantize_int(clipped.weight, fmt))) < 0.95 * err(x_new, rtn)  # held out
+
+
+def _layer_output_error(model, reference, ids) -> float:
+    """Mean squared error of every decoder layer's output vs the float model's, on the same tokens."""
+    outs = {}
+
+    def grab(key):
+        return lambda _m, _a, out: outs.setdefault(key, []).append(out[0] if isinstance(out, tuple) else out)
+
+    handles = [layer.register_forward_hook(grab((tag, i))) for tag, m in (("q", model), ("f", reference))
+               for i, layer in enumerate(m.model.layers)]
+    with torch.no_grad():
+        model(ids), reference(ids)
+    for h in handles:
+        h.remove()
+    n = len(model.model.layers)
+    return sum(((outs[("q", i)][0] - outs[("f", i)][0]) ** 2).mean().item() for i in range(n)) / n
+
+
+def test_awq_clip_lowers_the_model_layer_error_vs_scales_only():
+    reference = tiny_model(intermediate_size=128)
+    calib = torch.randint(0, 97, (8, 32), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 97, (4, 32), generator=torch.Generator().manual_seed(1))
+    errors = {}
+    for name in ("int4-awq-noclip-g32", "int4-awq-g32"):
+        model = copy.deepcopy(reference)
+        result = quantize_model(model, parse_recipe(name), calib)
+        errors[name] = _layer_output_error(model, reference, ids)
+        assert bool(result.clip_gain) == (name == "int4-awq-g32")
+    assert errors["int4-awq-g32"] < errors["int4-awq-noclip-g32"]
+
+
+def test_true_sequential_gptq_differs_from_and_beats_the_parallel_one():
+    reference = tiny_model(intermediate_size=128)
+    calib = torch.randint(0, 97, (8, 32), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 97, (4, 32), generator=torch.Generator().manual_seed(1))
+    errors, codes = {}, {}
+    for sequential in (False, True):
+        model = copy.deepcopy(reference)
+        recipe = parse_recipe("int4-gptq-g32")
+        quantize_model(model, recipe.replace(gptq=GPTQSettings(true_sequential=sequential)), calib)
+        errors[sequential] = _layer_output_error(model, reference, ids)
+        codes[sequential] = model.model.layers[1].mlp.down_proj.qweight.clone()
+    assert not torch.equal(codes[True], codes[False])  # down_proj saw inputs through quantized q/k/v/o/gate/up
+    assert errors[True] <= errors[False]
+
+
+def test_damp_sweep_picks_the_damp_that_generalises():
+    k, n = 64, 32
+    fmt = WeightFormat("int", 4, 32, True)
+    w = heavy_tailed_weights(n, k)
+    x_fit, x_val = correlated_inputs(48, k, 0), correlated_inputs(48, k, 1)  # fewer tokens than channels
+    hessian = lambda x: 2 * x.T @ x / x.shape[0]  # noqa: E731
+    fit, val = hessian(x_fit), hessian(x_val)
+    full = hessian(torch.cat([x_fit, x_val]))
+    grid = (1e-4, 0.01, 0.1, 1.0)
+    q, best = gptq_damp_sweep(w, fit, val, full, fmt, GPTQSettings(damp_grid=grid))
+    scores = {d: output_error(w, gptq_quantize(w, fit, fmt, GPTQSettings(damp=d)), val) for d in grid}
+    assert best == min(scores, key=scores.__getitem__) and best > grid[0]  # the least damp overfits 48 tokens
+    assert torch.equal(q.codes, gptq_quantize(w, full, fmt, GPTQSettings(damp=best)).codes)  # re-run on all
+
+
+def test_damp_sweep_on_a_model_records_one_damp_per_matrix():
+    model = tiny_model(intermediate_size=128)
+    calib = torch.randint(0, 97, (4, 32), generator=torch.Generator().manual_seed(0))
+    recipe = parse_recipe("int4-gptq-g32").replace(gptq=GPTQSettings(damp_grid=(0.01, 0.1, 1.0)))
+    result = quantize_model(model, recipe, calib)
+    assert set(result.gptq_damp) == {n for n, m in model.named_modules() if type(m) is QuantLinear}  # 14 + lm_head
+    assert len(result.gptq_damp) == 15 and set(result.gptq_damp.values()) <= {0.01, 0.1, 1.0}
+
+
+def test_awq_then_gptq_folds_scales_and_rounds_with_gptq():
+    reference = tiny_model(intermediate_size=128)
+    calib = torch.randint(0, 97, (8, 32), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 97, (4, 32), generator=torch.Generator().manual_seed(1))
+    models, results = {}, {}
+    for name in ("int4-gptq-g32", "int4-awq-gptq-g32"):
+        models[name] = copy.deepcopy(reference)
+        results[name] = quantize_model(models[name], parse_recipe(name), calib)
+    both = results["int4-awq-gptq-g32"]
+    assert both.awq_gain and len(both.gptq_damp) == 15 and not both.clip_gain  # no clip before GPTQ
+    norm = models["int4-awq-gptq-g32"].model.layers[0].input_layernorm.weight
+    assert not torch.equal(norm, reference.model.layers[0].input_layernorm.weight)  # AWQ's scales folded
+    error = _layer_output_error(models["int4-awq-gptq-g32"], reference, ids)
+    rtn = copy.deepcopy(reference)
+    quantize_model(rtn, parse_recipe("int4-g32"))
+    assert error < _layer_output_error(rtn, reference, ids)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_untied_head_is_quantized_by_gptq_on_the_final_hidden_states(tied):
+    reference = tiny_model(tie_word_embeddings=tied, intermediate_size=128)
+    calib = torch.randint(0, 97, (8, 32), generator=torch.Generator().manual_seed(0))
+    model = copy.deepcopy(reference)
+    result = quantize_model(model, parse_recipe("int4-gptq-g32-emb4"), calib)
+    assert result.head_method == ("rtn" if tied else "gptq")
+    if tied:
+        return
+    assert "lm_head" in result.gptq_damp
+    with torch.no_grad():  # the head's own error, on what it reads at inference, for tokens not calibrated on
+        ids = torch.randint(0, 97, (8, 32), generator=torch.Generator().manual_seed(1))
+        h = _final_hidden(model, ids).reshape(-1, 64)
+        w = reference.lm_head.weight
+        rtn = dequantize_int(*quantize_int(w, WeightFormat("int", 4, 32, True)))
+        gptq = model.lm_head.dequantized()
+        err = lambda wq: ((h @ (w - wq).T) ** 2).mean().item()  # noqa: E731
+    assert not torch.equal(gptq, rtn) and err(gptq) < err(rtn)
+
+
+def _final_hidden(model, ids):
+    out = []
+    handle = model.model.norm.register_forward_hook(lambda _m, _a, o: out.append(o))
+    model(ids)
+    handle.remove()
+    return out[0]

@@ -2,7 +2,7 @@
 
 import pytest
 
-from edgefinfer.compile.quant.recipe import RECIPE_NAMES, RECIPES, QuantRecipe, WeightFormat, parse_recipe
+from edgefinfer.compile.quant.recipe import RECIPE_NAMES, RECIPES, GPTQSettings, QuantRecipe, WeightFormat, parse_recipe
 from edgefinfer.errors import UserError
 
 
@@ -23,6 +23,26 @@ def test_names_parse_to_the_documented_schemes():
     assert parse_recipe("int4-g32-embf").embedding is None
     assert parse_recipe("int4-g32-emb4").lm_head == WeightFormat("int", 4, 32, True)
     assert parse_recipe("int4-pc-sym").weights.group_size is None
+
+
+def test_method_spellings_of_the_authors_refinements():
+    r = parse_recipe("int4-awq-gptq-g32")
+    assert (r.method, r.weights.group_size, r.weights.symmetric, r.gptq.act_order) == ("awq-gptq", 32, False, True)
+    assert parse_recipe("int4-awq-g32").awq.clip and not parse_recipe("int4-awq-noclip-g32").awq.clip
+    assert parse_recipe("int4-awq-noclip-g32").method == "awq"
+    assert parse_recipe("8da4w-awq-gptq-g32-emb8").activations == "int8-per-token"
+    r = parse_recipe("int4-gptq-g32")
+    assert r.gptq.true_sequential and r.gptq.act_order and r.gptq.damp_grid == ()
+    swept = r.replace(gptq=GPTQSettings(damp_grid=[0.01, 0.1]))  # a JSON list becomes a tuple
+    assert swept.gptq.damp_grid == (0.01, 0.1) and QuantRecipe.from_dict(swept.to_dict()) == swept
+
+
+@pytest.mark.parametrize("name", ["int4-gptq-awq-g32", "int4-awq-gptq-noclip-g32", "int4-noclip-g32",
+                                  "int4-gptq-sweep-g32", "fp8-awq-gptq"])
+def test_bad_method_spellings_raise_one_line_user_errors(name):
+    with pytest.raises(UserError) as e:
+        parse_recipe(name)
+    assert "\n" not in str(e.value) and name in str(e.value)
 
 
 def test_registry_holds_every_canonical_name():

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from edgefinfer.compile.quant import awq as awq_mod
 from edgefinfer.compile.quant.calibrate import (INPUT_GROUPS, ActivationSampler, HessianAccumulator, LayerRunner,
                                                 capture_inputs)
-from edgefinfer.compile.quant.gptq import gptq_quantize
+from edgefinfer.compile.quant.gptq import gptq_damp_sweep, gptq_quantize
 from edgefinfer.compile.quant.modules import Fp8Linear, QuantEmbedding, QuantLinear, model_size_bytes, tied_head
 from edgefinfer.compile.quant.primitives import IntWeights, quantize_fp8, quantize_int
 from edgefinfer.compile.quant.recipe import QuantRecipe, WeightFormat
@@ -38,6 +38,9 @@ class QuantResult:
     tied_head: bool
     layer_seconds: list[float] = field(default_factory=list)
     awq_gain: list[float] = field(default_factory=list)  # per scaling group: RTN loss / AWQ loss
+    clip_gain: list[float] = field(default_factory=list)  # per clipped linear: loss unclipped / clipped
+    gptq_damp: dict[str, float] = field(default_factory=dict)  # per GPTQ matrix: the damp used
+    head_method: str = "rtn"  # how lm_head was quantized (gptq: on the final hidden states, when untied)
 
     def bits_table(self) -> dict[str, str]:
         return {name: "float" if f is None else f.label() for name, f in self.formats.items()}
@@ -90,7 +93,7 @@ def quantize_model(model: Transformer, recipe: QuantRecipe, calib: Tensor | None
     plan = plan_formats(model, recipe)
     say = progress or (lambda _msg: None)
     act_quant = recipe.activations == "int8-per-token"
-    calibrated = recipe.method in ("gptq", "awq")
+    calibrated = recipe.method != "rtn"
     if calibrated and (calib is None or calib.numel() == 0):
         raise UserError(f"{recipe.method} needs calibration data, but the calibration set is empty: "
                         "pass calibration blocks (e.g. --calib-blocks 32) or use an RTN recipe")
@@ -112,14 +115,16 @@ def quantize_model(model: Transformer, recipe: QuantRecipe, calib: Tensor | None
             t = time.perf_counter()
             prefix = f"model.layers.{i}."
             fmts = {n: plan[prefix + n] for grp in INPUT_GROUPS for n in grp}
-            if recipe.method == "gptq":
-                _gptq_layer(layer, runner, fmts, recipe, act_quant, prefix)
-            else:
-                result.awq_gain += _awq_layer(layer, runner, fmts, recipe, act_quant, prefix)
+            if recipe.method in ("awq", "awq-gptq"):  # awq-gptq: fold AWQ's scales, leave rounding to GPTQ
+                _awq_layer(layer, runner, fmts, recipe, act_quant, prefix, result, quantize=recipe.method == "awq")
+            if recipe.method in ("gptq", "awq-gptq"):
+                _gptq_layer(layer, runner, fmts, recipe, act_quant, prefix, result)
             runner.advance(layer)
             result.layer_seconds.append(time.perf_counter() - t)
             say(f"[{recipe.method}] layer {i + 1:3d}/{len(layers)}  {result.layer_seconds[-1]:6.2f}s  "
                 f"elapsed {time.perf_counter() - t0:7.1f}s")
+        if recipe.method != "awq":
+            result.head_method = _gptq_head(model, runner, plan, recipe, act_quant, result)
         del runner
 
     # RTN for whatever is still float and planned (all decoder linears for RTN recipes).
@@ -152,51 +157,79 @@ def _quantize_embedding_and_head(model: Transformer, plan: dict[str, WeightForma
 # ---- GPTQ ------------------------------------------------------------------------------------------------
 
 def _gptq_layer(layer: nn.Module, runner: LayerRunner, fmts: dict[str, WeightFormat | None], recipe: QuantRecipe,
-                act_quant: bool, prefix: str) -> None:
+                act_quant: bool, prefix: str, result: QuantResult) -> None:
     groups = [g for g in INPUT_GROUPS if any(fmts[n] is not None and fmts[n].kind == "int" for n in g)]
     # true_sequential: one pass per input group, so o_proj sees quantized q/k/v, etc.
     stages = [[g] for g in groups] if recipe.gptq.true_sequential else [groups]
     for stage in stages:
-        hessians = HessianAccumulator()
+        hessians = HessianAccumulator(halves=bool(recipe.gptq.damp_grid))
         heads = [g[0] for g in stage]
         with capture_inputs(layer, heads, hessians, stop_after=heads[-1]):
             runner.run(layer, until_stop=True)
         for grp in stage:
-            H = hessians.hessian(grp[0])
-            _gptq_group(layer, grp, H, fmts, recipe, act_quant, prefix)
+            _gptq_group(layer, grp, hessians, fmts, recipe, act_quant, prefix, result)
 
 
-def _gptq_group(layer: nn.Module, names: tuple[str, ...], H: Tensor, fmts: dict[str, WeightFormat | None],
-                recipe: QuantRecipe, act_quant: bool, prefix: str) -> None:
-    """GPTQ on linears sharing an input: rows are independent given H, so same-format linears are
-    solved as one stacked matrix."""
+def _gptq_group(root: nn.Module, names: tuple[str, ...], hessians: HessianAccumulator,
+                fmts: dict[str, WeightFormat | None], recipe: QuantRecipe, act_quant: bool, prefix: str,
+                result: QuantResult) -> None:
+    """GPTQ on linears sharing an input (the Hessian of names[0]'s input): rows are independent given H,
+    so same-format linears are solved as one stacked matrix."""
     by_format: dict[WeightFormat, list[str]] = {}
     for n in names:
         fmt = fmts[n]
         if fmt is not None and fmt.kind == "int":
             by_format.setdefault(fmt, []).append(n)
+    H = hessians.hessian(names[0])
     for fmt, members in by_format.items():
-        linears = [layer.get_submodule(n) for n in members]
+        linears = [root.get_submodule(n) for n in members]
         W = torch.cat([lin.weight.detach() for lin in linears])  # [sum N_i, K]
-        q = gptq_quantize(W, H, fmt, recipe.gptq, where=prefix + members[0])
+        where = prefix + members[0]
+        if recipe.gptq.damp_grid:
+            fit, val = hessians.hessian(names[0], 0), hessians.hessian(names[0], 1)
+            q, damp = gptq_damp_sweep(W, fit, val, H, fmt, recipe.gptq, where)
+        else:
+            q, damp = gptq_quantize(W, H, fmt, recipe.gptq, where), recipe.gptq.damp
+        result.gptq_damp.update({prefix + n: damp for n in members})
         row = 0
         for n, lin in zip(members, linears):
             rows = slice(row, row + lin.out_features)
             part = IntWeights(q.codes[rows], q.scales[rows], q.zeros[rows])
-            set_module(layer, n, _quantized_linear(lin, fmt, act_quant, prefix + n, part))
+            set_module(root, n, _quantized_linear(lin, fmt, act_quant, prefix + n, part))
             row += lin.out_features
+
+
+def _gptq_head(model: Transformer, runner: LayerRunner, plan: dict[str, WeightFormat | None], recipe: QuantRecipe,
+               act_quant: bool, result: QuantResult) -> str:
+    """GPTQ on an untied lm_head, from the final hidden states (after the last layer and the final norm).
+
+    A tied head is the embedding table too: a lookup has no input Hessian, and GPTQ's error
+    compensation across columns would move every looked-up row further from its float value than
+    rounding does, so tied heads stay round-to-nearest (with the embedding)."""
+    fmt = plan[LM_HEAD]
+    if model.config.tie_word_embeddings or fmt is None or fmt.kind != "int" or not isinstance(model.lm_head, nn.Linear):
+        return "rtn"
+    hessians = HessianAccumulator(halves=bool(recipe.gptq.damp_grid))
+    with torch.no_grad():
+        for x in runner.hidden.split(runner.batch_size):
+            hessians(LM_HEAD, model.model.norm(x).reshape(-1, x.shape[-1]).float())
+    _gptq_group(model, (LM_HEAD,), hessians, plan, recipe, act_quant, "", result)
+    return "gptq"
 
 
 # ---- AWQ -------------------------------------------------------------------------------------------------
 
 def _awq_layer(layer: nn.Module, runner: LayerRunner, fmts: dict[str, WeightFormat | None], recipe: QuantRecipe,
-               act_quant: bool, prefix: str) -> list[float]:
+               act_quant: bool, prefix: str, result: QuantResult, quantize: bool = True) -> None:
+    """AWQ's scale search and fold, then (awq.clip) its clipping search, then RTN. quantize=False stops
+    after the scales (awq-gptq: GPTQ does the rounding, compensating error itself)."""
     groups = awq_mod.scaling_groups(layer)
     sampler = ActivationSampler(recipe.awq.max_tokens, runner.tokens)
-    inputs = [g.inputs for g in groups]
+    inputs = [grp[0] for grp in INPUT_GROUPS]  # every linear's input: the clip search needs o_proj's too
     with capture_inputs(layer, inputs, sampler, stop_after="mlp.down_proj"):
         runner.run(layer, until_stop=True)
-    gains = []
+    source = {n: grp[0] for grp in INPUT_GROUPS for n in grp}  # linear -> the captured input it reads
+    folded: dict[str, Tensor] = {}  # captured input -> the scale its consumers' inputs were divided by
     for g in groups:
         formats = [fmts[n] if fmts[n] is not None and fmts[n].kind == "int" else None for n in g.consumers]
         if all(f is None for f in formats):
@@ -205,10 +238,22 @@ def _awq_layer(layer: nn.Module, runner: LayerRunner, fmts: dict[str, WeightForm
         s, loss, rtn_loss = awq_mod.search_scale(sampler.rows(g.inputs), sampler.mean_abs(g.inputs), weights,
                                                  formats, recipe.awq)
         awq_mod.fold_scale(layer, g, s)
-        gains.append(rtn_loss / loss if loss > 0 else 1.0)
+        folded[source[g.consumers[0]]] = s
+        result.awq_gain.append(rtn_loss / loss if loss > 0 else 1.0)
+    if not quantize:
+        return
     for grp in INPUT_GROUPS:
         for n in grp:
             fmt = fmts[n]
-            if fmt is not None:
-                set_module(layer, n, _quantized_linear(layer.get_submodule(n), fmt, act_quant, prefix + n))
-    return gains
+            if fmt is None:
+                continue
+            linear = layer.get_submodule(n)
+            if recipe.awq.clip and fmt.kind == "int" and n not in awq_mod.CLIP_SKIP:
+                x = sampler.rows(source[n])
+                x = x[:: max(1, x.shape[0] // recipe.awq.clip_tokens)][: recipe.awq.clip_tokens]  # spread evenly
+                if source[n] in folded:
+                    x = x / folded[source[n]]  # what the linear reads after the fold
+                ratios, loss, unclipped = awq_mod.search_clip(x, linear.weight, fmt, recipe.awq)
+                awq_mod.apply_clip(linear, ratios, fmt)
+                result.clip_gain.append(unclipped / loss if loss > 0 else 1.0)
+            set_module(layer, n, _quantized_linear(linear, fmt, act_quant, prefix + n))

@@ -14,6 +14,14 @@ operation that produces the input, so the model stays a plain Llama with no extr
 For each group, s = mean|x|^alpha (normalised to geometric mean 1), alpha searched on a grid over
 [0, 1) to minimise the squared error of the group's linear outputs on calibration activations.
 alpha = 0 is plain RTN, so the search never does worse than RTN on its own objective.
+
+Clipping search (the second half of AutoAWQ's `auto_clip`): after the scales are folded, each
+group of each output row may round a narrower range than its own [min, max]: both ends shrink by a
+ratio r in {1, 1 - 1/grid, ..., 1 - max_shrink}, the weights outside are clamped, and per (row,
+group) the r with the least squared error of that group's contribution to the output, on sampled
+calibration inputs, wins. r = 1 is plain RTN, so the clip never does worse on its objective. Like
+AutoAWQ, q_proj and k_proj keep their full range: their error reaches the output through the
+softmax, which a per-output-element squared error does not model.
 """
 
 from __future__ import annotations
@@ -96,3 +104,50 @@ def fold_scale(layer: nn.Module, group: ScalingGroup, s: Tensor) -> None:
     for name in group.consumers:
         consumer = layer.get_submodule(name)
         consumer.weight.mul_(s[None, :].to(consumer.weight.dtype))
+
+
+# Linears whose output error does not measure what matters (it passes through the attention softmax).
+CLIP_SKIP: tuple[str, ...] = ("self_attn.q_proj", "self_attn.k_proj")
+
+
+@torch.no_grad()
+def search_clip(x: Tensor, weight: Tensor, fmt: WeightFormat, settings: AWQSettings,
+                chunk_rows: int = 256) -> tuple[Tensor, float, float]:
+    """Per (output row, group) clip ratios [N, G] for `weight` [N, K] fed by inputs x [T, K].
+
+    Returns (ratios, loss with them, loss without clipping), mean squared output errors."""
+    N, K = weight.shape
+    g = fmt.group_for(K)
+    G = K // g
+    xg = x.float().reshape(-1, G, g)  # [T, G, g]
+    ratios = torch.ones(N, G)
+    best_total, rtn_total = 0.0, 0.0
+    candidates = [1 - i / settings.clip_grid for i in range(int(settings.clip_max_shrink * settings.clip_grid) + 1)]
+    for r0 in range(0, N, chunk_rows):  # bounded memory: [T, G, rows] per candidate
+        w = weight[r0: r0 + chunk_rows].float().reshape(-1, G, g)  # [n, G, g]
+        reference = torch.einsum("tgk,ngk->tgn", xg, w)
+        lo, hi = w.amin(-1, keepdim=True).clamp(max=0), w.amax(-1, keepdim=True).clamp(min=0)
+        best = torch.full((w.shape[0], G), float("inf"))
+        for i, r in enumerate(candidates):
+            clipped = torch.maximum(torch.minimum(w, hi * r), lo * r).reshape(-1, K)
+            wq = dequantize_int(*quantize_int(clipped, fmt)).reshape(-1, G, g)
+            err = (torch.einsum("tgk,ngk->tgn", xg, wq) - reference).pow(2).mean(0).T  # [n, G]
+            if i == 0:
+                rtn_total += err.sum().item()
+            better = err < best
+            best = torch.where(better, err, best)
+            ratios[r0: r0 + chunk_rows][better] = r
+        best_total += best.sum().item()
+    return ratios, best_total / (N * G), rtn_total / (N * G)
+
+
+@torch.no_grad()
+def apply_clip(linear: nn.Module, ratios: Tensor, fmt: WeightFormat) -> None:
+    """Clamp each group of each row of `linear.weight` to its shrunken [min, max] (in place)."""
+    w = linear.weight
+    N, K = w.shape
+    G = ratios.shape[1]
+    groups = w.data.float().reshape(N, G, K // G)
+    r = ratios[..., None]
+    lo, hi = groups.amin(-1, keepdim=True).clamp(max=0) * r, groups.amax(-1, keepdim=True).clamp(min=0) * r
+    w.data.copy_(torch.maximum(torch.minimum(groups, hi), lo).reshape(N, K).to(w.dtype))

@@ -102,22 +102,32 @@ def capture_inputs(layer: nn.Module, names: list[str], on_input: Callable[[str, 
 
 
 class HessianAccumulator:
-    """H = 2/T * sum over tokens of x x^T, the Hessian of GPTQ's layer-wise squared error."""
+    """H = 2/T * sum over tokens of x x^T, the Hessian of GPTQ's layer-wise squared error.
 
-    def __init__(self) -> None:
-        self.sums: dict[str, Tensor] = {}
-        self.counts: dict[str, int] = {}
+    With `halves=True` the first and second half of every captured batch of rows (whole calibration
+    blocks when a batch holds several, else the two halves of the one block) are also kept apart, so
+    a choice (GPTQ's damp) can be fitted on one half and judged on the other."""
+
+    def __init__(self, halves: bool = False) -> None:
+        self.halves = halves
+        self.sums: dict[tuple[str, int], Tensor] = {}
+        self.counts: dict[tuple[str, int], int] = {}
 
     def __call__(self, name: str, x: Tensor) -> None:  # x [T, K]
         x = x.double()
-        if name not in self.sums:
-            self.sums[name] = torch.zeros(x.shape[1], x.shape[1], dtype=torch.float64)
-            self.counts[name] = 0
-        self.sums[name].addmm_(x.T, x)
-        self.counts[name] += x.shape[0]
+        parts = (x[: x.shape[0] // 2], x[x.shape[0] // 2:]) if self.halves else (x,)
+        for half, rows in enumerate(parts):
+            key = (name, half)
+            if key not in self.sums:
+                self.sums[key] = torch.zeros(x.shape[1], x.shape[1], dtype=torch.float64)
+                self.counts[key] = 0
+            self.sums[key].addmm_(rows.T, rows)
+            self.counts[key] += rows.shape[0]
 
-    def hessian(self, name: str) -> Tensor:
-        return (2.0 / self.counts[name]) * self.sums[name]
+    def hessian(self, name: str, half: int | None = None) -> Tensor:
+        """All tokens' Hessian, or (halves=True) that of the first (0) or second (1) half."""
+        keys = [(name, half)] if half is not None else [k for k in self.sums if k[0] == name]
+        return (2.0 / sum(self.counts[k] for k in keys)) * sum(self.sums[k] for k in keys)
 
 
 class ActivationSampler:

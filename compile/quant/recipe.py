@@ -5,7 +5,8 @@ A recipe name is a short dash-separated string parsed by `parse_recipe`:
     SCHEME [-METHOD] [-gN | -pc] [-sym | -asym] [-embF] [-rot]
 
     SCHEME  int8 | int4 | 8da4w | fp8       (8da4w = int8 dynamic per-token activations, int4 weights)
-    METHOD  rtn (default) | gptq (act-order, static groups) | gptq-noact | awq
+    METHOD  rtn (default) | gptq (act-order, static groups, true-sequential) | gptq-noact
+            | awq (scales, then clipping search) | awq-noclip (scales only) | awq-gptq (AWQ's scales, then GPTQ)
     -gN     group size N along the input dimension; -pc = per output channel (one group per row)
     -sym / -asym   symmetric (zero point 0) or asymmetric (integer zero point) weights
     -embF   embeddings and output head: emb8 (int8 g32 sym), emb4 (int4 g32 sym), embf (kept float);
@@ -31,11 +32,11 @@ from typing import Any, Literal
 
 from edgefinfer.errors import UserError
 
-Method = Literal["rtn", "gptq", "awq"]
+Method = Literal["rtn", "gptq", "awq", "awq-gptq"]
 Activations = Literal["none", "int8-per-token"]
 Role = Literal["linear", "embedding", "lm_head"]
 
-METHODS: tuple[str, ...] = ("rtn", "gptq", "awq")
+METHODS: tuple[str, ...] = ("rtn", "gptq", "awq", "awq-gptq")
 INT_BITS: tuple[int, ...] = (2, 3, 4, 5, 6, 7, 8)
 
 
@@ -114,12 +115,22 @@ class GPTQSettings:
     # so unlike act-order with g_idx it costs nothing at inference.
     act_order: bool = True
     true_sequential: bool = True  # q/k/v, then o, then gate/up, then down see already-quantized inputs
+    # Damps to choose from per matrix, by output error on held-out calibration tokens (gptq.py);
+    # empty: always `damp`. Costs one extra GPTQ per candidate.
+    damp_grid: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "damp_grid", tuple(self.damp_grid))  # a JSON list from config.json
 
 
 @dataclass(frozen=True)
 class AWQSettings:
     grid: int = 20  # alpha in {0, 1/grid, ..., (grid-1)/grid}
     max_tokens: int = 1024  # calibration tokens (a uniform sample) used to score each candidate scaling
+    clip: bool = True  # then search a clipping range per group (AutoAWQ's auto_clip)
+    clip_grid: int = 20  # clip ratios 1, 1 - 1/clip_grid, ..., 1 - clip_max_shrink
+    clip_max_shrink: float = 0.5
+    clip_tokens: int = 512  # of the max_tokens sample, the rows used to score clip ratios (AutoAWQ: 512)
 
 
 @dataclass(frozen=True)
@@ -213,7 +224,7 @@ _EMBEDDINGS = {
 }
 _NAME = re.compile(
     r"^(?P<scheme>int8|int4|8da4w|fp8)"
-    r"(?:-(?P<method>rtn|gptq-noact|gptq|awq))?"
+    r"(?:-(?P<method>rtn|gptq-noact|gptq|awq-gptq|awq-noclip|awq))?"
     r"(?:-(?P<group>g\d+|pc))?"
     r"(?:-(?P<sym>sym|asym))?"
     r"(?:-(?P<emb>emb8|emb4|embf))?"
@@ -225,7 +236,7 @@ RECIPE_NAMES: tuple[str, ...] = (
     "int8", "int8-g32",
     "int4-g32", "int4-g64", "int4-g128", "int4-g64-sym",
     "int4-gptq-g32", "int4-gptq-g64", "int4-gptq-g128", "int4-gptq-g64-sym", "int4-gptq-noact-g64-sym",
-    "int4-awq-g32", "int4-awq-g64", "int4-awq-g128", "int4-awq-g64-sym",
+    "int4-awq-g32", "int4-awq-g64", "int4-awq-g128", "int4-awq-g64-sym", "int4-awq-noclip-g32", "int4-awq-gptq-g32",
     "8da4w-g32", "8da4w-g64", "8da4w-g128",
     "fp8",
 )
@@ -236,11 +247,12 @@ def parse_recipe(name: str) -> QuantRecipe:
     m = _NAME.match(name.strip().lower())
     if m is None:
         raise UserError(f"unknown recipe {name!r}: use one of {', '.join(RECIPE_NAMES)} "
-                        "(grammar: SCHEME[-rtn|gptq|gptq-noact|awq][-gN|-pc][-sym|-asym][-emb8|-emb4|-embf][-rot])")
+                        "(grammar: SCHEME[-rtn|gptq|gptq-noact|awq|awq-noclip|awq-gptq][-gN|-pc][-sym|-asym][-emb8|-emb4|-embf][-rot])")
     scheme, method, group, sym, emb, rot = (m[k] for k in ("scheme", "method", "group", "sym", "emb", "rot"))
     method = method or "rtn"
     act_order = method != "gptq-noact"
-    method = "gptq" if method == "gptq-noact" else method
+    clip = method != "awq-noclip"
+    method = {"gptq-noact": "gptq", "awq-noclip": "awq"}.get(method, method)
     group_size = None if group == "pc" else int(group[1:]) if group else None
 
     if scheme == "fp8":
@@ -275,6 +287,7 @@ def parse_recipe(name: str) -> QuantRecipe:
         embedding=embedding,
         lm_head=embedding,
         gptq=GPTQSettings(act_order=act_order),
+        awq=AWQSettings(clip=clip),
         rotation=RotationSettings() if rot else None,
     )
 
