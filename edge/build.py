@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 
 from edgefinfer.bundle import BundleWriter
+from edgefinfer.bundle_readme import bundle_readme
 from edgefinfer.errors import UserError
 from edgefinfer.targets import Target, get_target
 
@@ -40,6 +41,8 @@ CANDIDATES: dict[str, list[str]] = {
     "gguf": ["int4-g32-sym", "int4-g32", "int4-gptq-g32", "int8-g32-emb8", "fp16"],
 }
 FLOAT_RECIPES = ("fp32", "fp16")
+# The peer runner that reads a format's tokenizer.json (llama.cpp reads the GGUF's own vocabulary).
+RUNNER_DIALECT = {"pte": "executorch", "onnx": "onnxruntime-genai"}
 
 
 @dataclass
@@ -96,6 +99,9 @@ def build(opts: BuildOptions) -> Path:
     model, prequantized = _load(folder)
     tokenizer = Tokenizer.from_dir(folder)
     test_ids = _test_tokens(tokenizer, opts.eval_tokens)
+    source_tokenizer = tokenizer
+    if target.format in RUNNER_DIALECT:  # the peer's runner must encode the shipped tokenizer exactly
+        tokenizer = _runner_tokenizer(tokenizer, RUNNER_DIALECT[target.format], test_ids)
     done()
 
     done = log.step(2, n_steps, "float perplexity (eager torch)")
@@ -147,6 +153,10 @@ def build(opts: BuildOptions) -> Path:
                 raise budget_error(target, opts.quality_budget, tried)
         for name in ("tokenizer.json", "tokenizer_config.json"):
             writer.add(name, format="tokenizer", role="tokenizer")
+        if (writer.tmp / "genai_config.json").is_file():  # onnxruntime-genai's own tokenizer, on the bundle
+            _check_genai_tokenizer(writer.tmp, source_tokenizer, tokenizer, test_ids)
+        (writer.tmp / "README.txt").write_text(bundle_readme(target, art_files[0], tokenizer))
+        writer.add("README.txt", format="text", role="readme")
         main = art_files[0]
         writer.add(main, format=target.format, role="model", backend=target.backend, recipe=recipe,
                    **_manifest_meta(meta), metrics={**figures, "build_s": round(build_s, 1)})
@@ -191,6 +201,27 @@ def _model_folder(model: str | Path | None) -> Path:
     if str(model) in reference.MODELS:
         return reference.pull(str(model))
     raise UserError(f"model {model} does not exist (give a HF folder or one of {', '.join(reference.MODELS)})")
+
+
+def _runner_tokenizer(tokenizer, dialect: str, test_ids: list[int]):
+    """The tokenizer rewritten into the forms the target's peer runner implements, checked on probe
+    strings and the test text to give `tokenizers`' ids; a UserError naming what it cannot represent."""
+    import json
+
+    from edgefinfer.compile.runner_tokenizer import runner_tokenizer
+
+    sample = tokenizer.decode(test_ids[:1024], skip_special_tokens=False).split("\n\n")
+    return tokenizer.with_backend_json(runner_tokenizer(json.loads(tokenizer.backend.to_str()), dialect, sample))
+
+
+def _check_genai_tokenizer(folder: Path, source, shipped, test_ids: list[int]) -> None:
+    import json
+
+    from edgefinfer.compile.runner_tokenizer import check_runner, genai_encoder
+
+    sample = source.decode(test_ids[:1024], skip_special_tokens=False).split("\n\n")
+    check_runner(json.loads(source.backend.to_str()), json.loads(shipped.backend.to_str()),
+                 {"onnxruntime-genai": genai_encoder(folder)}, sample)
 
 
 def _remove_stale_temporaries(out: Path) -> None:

@@ -47,6 +47,12 @@ class Tokenizer:
         return cls(backend, _token_text(cfg.get("bos_token")), _token_text(cfg.get("eos_token")), template,
                    cfg.get("add_bos_token"))
 
+    def with_backend_json(self, tokenizer_json: dict[str, Any]) -> "Tokenizer":
+        """The same special tokens and chat template over another tokenizer.json (e.g. one rewritten
+        into the forms a device runtime's tokenizer implements)."""
+        return Tokenizer(HFTokenizer.from_str(json.dumps(tokenizer_json)), self.bos_token, self.eos_token,
+                         self.chat_template, self.add_bos_token)
+
     def save(self, path: str | Path) -> None:
         folder = Path(path)
         folder.mkdir(parents=True, exist_ok=True)

@@ -214,32 +214,14 @@ def test_4bit_embeddings_use_the_quantized_embedding_kernel(q8da4w):
 
 # ---- ExecuTorch's own runner ----------------------------------------------------------------------
 
-def _gpt2_byte_decoder() -> dict[str, int]:
-    """Byte-level BPE's printable stand-in characters -> the bytes they represent."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
-    chars, n = printable[:], 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(printable, chars)}
-
-
-def _runner_print(token_bytes: bytes) -> bytes:
-    """What TextLLMRunner prints for one piece: single bytes that are neither printable nor space
-    are dropped (its safe_printf)."""
-    if len(token_bytes) == 1 and not (32 <= token_bytes[0] < 127 or token_bytes[0] in b" \t\n\r\x0b\x0c"):
-        return b""
-    return token_bytes
-
-
 def test_textllmrunner_runs_our_program(model, tokenizer, fp32_static, tmp_path, capfd):
     """ExecuTorch's C++ TextLLMRunner reads our metadata methods and generates our greedy tokens.
 
     No token_callback: pybind converts each piece to str and raises UnicodeDecodeError on a byte-level
     piece that is not valid UTF-8 on its own; the runner's stdout is compared byte for byte instead."""
     from executorch.extension.llm.runner import GenerationConfig, TextLLMRunner
+
+    from edgefinfer.peer_runners import runner_printed_bytes
 
     tokenizer.save(tmp_path)
     text = "It is a truth universally"
@@ -255,9 +237,7 @@ def test_textllmrunner_runs_our_program(model, tokenizer, fp32_static, tmp_path,
     ids = tokenizer.encode(text)
     _, tokens = greedy_run(ref, ids, steps)
     tokens = tokens[: tokens.index(tokenizer.eos_id) + 1] if tokenizer.eos_id in tokens else tokens
-    decoder = _gpt2_byte_decoder()
-    pieces = [bytes(decoder[c] for c in tokenizer.backend.id_to_token(t)) for t in tokens]
-    expected = b"".join(_runner_print(p) for p in pieces)
+    expected = runner_printed_bytes(tokenizer, tokens)
     assert stats and stats[0].num_prompt_tokens == len(ids)
     assert printed.startswith(expected.decode("utf-8", "replace").encode()), (printed[:80], expected)
     assert len(expected) > 3  # the comparison saw real text
