@@ -5,8 +5,10 @@ A bundle is only deployable if the runner a developer takes it to runs it unmodi
   apps), with the bundle's tokenizer.json read by its own C++ tokenizer;
 - linux-x86_64 (.onnx): onnxruntime-genai's generator, reading genai_config.json and tokenizer.json
   with its own tokenizer (onnxruntime-extensions);
-- gpu-server (.gguf): llama.cpp's tokenizer and chat template, read from the GGUF (through
-  llama-cpp-python).
+- gpu-server (.gguf): llama.cpp's tokenizer, chat template and generation loop, read from the GGUF
+  (through llama-cpp-python);
+- qnn: the context binaries on ONNX Runtime's QNN execution provider (the HTP emulator on x86)
+  against the CPU EP on the same QDQ graphs (no other runner exists for them off a device).
 
 Each check compares what the peer does with what edgefinfer does on the same artefact: the greedy
 tokens of a prompt (exact: both take the argmax of the same program's logits) and the token ids of
@@ -53,9 +55,9 @@ def check_bundle(bundle: str | Path, max_new_tokens: int = 32) -> list[PeerRow]:
     manifest = load_manifest(folder)
     model = manifest.artefact("model")
     fmt = model.format if model else None
-    check = {"pte": _check_executorch, "onnx": _check_genai, "gguf": _check_llamacpp}.get(fmt)
+    check = {"pte": _check_executorch, "onnx": _check_genai, "gguf": _check_llamacpp, "qnn-context": _check_qnn}.get(fmt)
     if check is None:
-        raise UserError(f"{folder}: no peer runner to check a {fmt} bundle against (pte, onnx and gguf have one)")
+        raise UserError(f"{folder}: no peer runner to check a {fmt} bundle against (pte, onnx, gguf and qnn have one)")
     return check(folder, manifest.target, folder / model.path, max_new_tokens)
 
 
@@ -270,4 +272,25 @@ def _check_llamacpp(bundle: Path, target: str, gguf: Path, n: int) -> list[PeerR
                             text, tokenizer.decode(theirs),
                             f"{len(ids)} vs {len(theirs)} tokens; probe strings {probes[0]}/{probes[1]}"
                             + ("; chat template equal" if name == "chat" and template_ok else "")))
+    return rows
+
+
+# ---- Qualcomm QNN -------------------------------------------------------------------------------------
+
+def _check_qnn(bundle: Path, target: str, model: Path, n: int) -> list[PeerRow]:
+    from edgefinfer.bundle import load_manifest
+    from edgefinfer.runtime.backends.ort import open_qnn
+    from edgefinfer.runtime.engine import Engine, _eos_ids
+    from edgefinfer.tokenizer import Tokenizer
+
+    manifest = load_manifest(bundle)
+    meta, tokenizer = manifest.artefact("model").meta, Tokenizer.from_dir(bundle)
+    eos = _eos_ids(manifest.model.get("config", {}))
+    engines = {ep: Engine(open_qnn(bundle, meta, ep=ep, threads=1), tokenizer, eos) for ep in ("qnn", "cpu")}
+    rows = []
+    for name, prompt in _prompts(bundle).items():
+        htp, cpu = (engines[ep].generate(prompt, max_tokens=n) for ep in ("qnn", "cpu"))
+        rows.append(PeerRow(target, "onnxruntime QNN EP (HTP emulator) vs CPU EP", name,
+                            htp.token_ids == cpu.token_ids, True, cpu.text, htp.text,
+                            f"{len(cpu.token_ids)} vs {len(htp.token_ids)} tokens; both sides tokenize with tokenizers"))
     return rows
