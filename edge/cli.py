@@ -213,17 +213,21 @@ def targets(as_json: bool) -> None:
 @click.option("--soc", default="sm8650", show_default=True, help="Snapdragon SoC for --target qnn.")
 @click.option("--draft", default=None, help="A draft model folder to ship for speculative decoding.")
 @click.option("--threads", type=int, default=None)
+@click.option("--verbose", "-v", is_flag=True, help="Also show the libraries' own log lines and warnings.")
 def build(target: str, model: str | None, recipe: str | None, quality_budget: float | None, out: str | None,
           max_seq_len: int, kv: str | None, eval_tokens: int, soc: str, draft: str | None,
-          threads: int | None) -> None:
+          threads: int | None, verbose: bool) -> None:
     """Build a deployable bundle for a target: quantize, compile, evaluate, package."""
     get_target_checked(target)  # before importing torch and the exporters: a missing SDK fails at once
-    from edgefinfer.build import BuildOptions
-    from edgefinfer.build import build as run_build
+    from edgefinfer.quiet import quiet
 
-    path = run_build(BuildOptions(target=target, model=model, out=out, recipe=recipe, quality_budget=quality_budget,
-                                  max_seq_len=max_seq_len, kv=kv, eval_tokens=eval_tokens, threads=threads,
-                                  soc=soc, draft=draft))
+    with quiet(not verbose):  # torchao / torch / ExecuTorch / ONNX Runtime chatter would bury the progress
+        from edgefinfer.build import BuildOptions
+        from edgefinfer.build import build as run_build
+
+        path = run_build(BuildOptions(target=target, model=model, out=out, recipe=recipe,
+                                      quality_budget=quality_budget, max_seq_len=max_seq_len, kv=kv,
+                                      eval_tokens=eval_tokens, threads=threads, soc=soc, draft=draft))
     click.echo(str(path))
 
 
