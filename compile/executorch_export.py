@@ -11,7 +11,10 @@ Pipeline (each stage is printed with its elapsed time; lowering takes 1-4 minute
                               buffers; with `custom_ops` the attention is ExecuTorch's
                               `llama::update_cache` + `llama::custom_sdpa` (`et_attention`);
 3. lower                      XNNPACK (the dynamically-quantized partitioner first for 8da*w, then
-                              the general one) or Core ML;
+                              the general one), Core ML, or MediaTek's NeuroPilot (`mediatek` target:
+                              ExecuTorch's NeuropilotPartitioner, after static activation + weight
+                              quantization with its NeuropilotQuantizer (pt2e), calibrated on text;
+                              it needs MediaTek's mtk_converter / mtk_neuron, which are not on PyPI);
 4. to_executorch              memory planning (graph inputs not planned), quantized-op fusion
                               (`embedding_4bit`), delegate segments outside the flatbuffer.
 
@@ -49,8 +52,15 @@ from edgefinfer.model import Transformer
 
 Recipe = Literal["fp32", "fp16", "8da8w", "8da4w"]
 KVLayout = Literal["static", "window"]
-Delegate = Literal["xnnpack", "coreml"]
+Delegate = Literal["xnnpack", "coreml", "neuropilot"]
 Progress = Callable[[str], None]
+
+# NeuroPilot recipes: static quantization by ExecuTorch's NeuropilotQuantizer (its `Precision` names).
+NEUROPILOT_RECIPES = {"qdq-a16w8": "A16W8", "qdq-a8w8": "A8W8", "qdq-a16w4": "A16W4", "qdq-a8w4": "A8W4",
+                      "qdq-a16w16": "A16W16"}
+NEUROPILOT_PLATFORMS = ("mt6989", "mt6991", "mt6993")  # what ExecuTorch 1.5.1's NeuropilotBackend accepts
+# MediaTek's own LLM export passes these to its Neuron compiler (gno: graph optimisations).
+NEUROPILOT_COMPILE_OPTIONS = (("gno", b"LTS"), ("gno-exp", b""), ("gno-non-4d-tiling", b""))
 
 # Kernel libraries a .pte from this exporter may need registered before it is loaded.
 RUNTIME_KERNEL_MODULES = ("executorch.kernels.quantized", "executorch.extension.llm.custom_ops.custom_ops")
@@ -64,12 +74,14 @@ def export_pte(model: Transformer, out_path: str | Path, *, recipe: Recipe = "fp
                window: int | None = None, num_sinks: int = 0, lookahead: int | None = None,
                backend: Delegate = "xnnpack", custom_ops: bool | None = None, all_logits: bool = True,
                bos_id: int | None = None, eos_ids: list[int] | None = None,
+               calibration: list[list[int]] | None = None, platform: str = "mt6989",
                progress: bool | Progress = True, cache: bool = True, cache_dir: str | Path | None = None
                ) -> dict[str, Any]:
     """Write `model` as an ExecuTorch program at `out_path` and return its metadata (for the manifest).
 
     recipe        fp32; fp16 (Core ML compute precision only); 8da8w (int8 per-channel weights) or
-                  8da4w (int4 weights in groups of `group_size`), both with int8 dynamic activations.
+                  8da4w (int4 weights in groups of `group_size`), both with int8 dynamic activations;
+                  for NeuroPilot: qdq-a16w8 / qdq-a8w8 / qdq-a16w4 / qdq-a8w4 / qdq-a16w16 (static).
                   A model already quantized by `edgefinfer quantize` (8da4w recipes) is exported as is.
     embedding_4bit  quantize the embedding table to int4 g32 (and a tied output head with it).
     kv            static: `max_seq_len` slots (default: the model's max_position_embeddings);
@@ -83,13 +95,18 @@ def export_pte(model: Transformer, out_path: str | Path, *, recipe: Recipe = "fp
                   False returns the last position only (what ExecuTorch's runners use).
     progress      True: stage lines on stderr; or a callable taking one line (called from a helper
                   thread too, every 30 s of a long stage).
+    calibration   NeuroPilot: token streams the static quantizer observes (default: pseudo-random
+                  ids, fit for tests only).
+    platform      NeuroPilot: the MediaTek SoC to compile for (mt6989 = Dimensity 9300, ...).
     cache         reuse / store the program in `cache_dir` (default `$EDGEFINFER_CACHE/executorch`).
     """
     say = _progress_fn(progress)
     opts = resolve_options(model, recipe=recipe, group_size=group_size, embedding_4bit=embedding_4bit, kv=kv,
                            max_seq_len=max_seq_len, window=window, num_sinks=num_sinks, lookahead=lookahead,
                            backend=backend, custom_ops=custom_ops, all_logits=all_logits, bos_id=bos_id,
-                           eos_ids=eos_ids)
+                           eos_ids=eos_ids, platform=platform)
+    if backend == "neuropilot":  # the calibration text decides the activation ranges, hence the bytes
+        opts["calibration"] = [list(map(int, s)) for s in calibration] if calibration else None
     out_path = Path(out_path)
     t0 = time.perf_counter()
     stages: dict[str, float] = {}
@@ -106,9 +123,12 @@ def export_pte(model: Transformer, out_path: str | Path, *, recipe: Recipe = "fp
 
     with _stage(f"quantize {opts['scheme']}", say, stages):
         prepared = _prepare_weights(model, opts)
-    with _stage("export", say, stages):
+    with _stage("export", say, stages), _finite_mask(opts["delegate"] == "neuropilot"):
         module, example, dynamic = _exportable(prepared, opts)
         exported = _torch_export(module, example, dynamic, opts)
+    if opts["delegate"] == "neuropilot":
+        with _stage(f"quantize {opts['scheme']} (NeuropilotQuantizer)", say, stages):
+            exported = _neuropilot_quantize(exported, example, opts, model.config.vocab_size)
     methods = runner_metadata(prepared, opts)
     with _stage(f"lower ({opts['delegate']})", say, stages):
         edge = _lower(exported, methods, opts)
@@ -190,14 +210,17 @@ def resolve_options(model: Transformer, *, recipe: str = "fp32", group_size: int
                     kv: str = "static", max_seq_len: int | None = None, window: int | None = None,
                     num_sinks: int = 0, lookahead: int | None = None, backend: str = "xnnpack",
                     custom_ops: bool | None = None, all_logits: bool = True, bos_id: int | None = None,
-                    eos_ids: list[int] | None = None) -> dict[str, Any]:
+                    eos_ids: list[int] | None = None, platform: str = "mt6989") -> dict[str, Any]:
     """Check `export_pte`'s options up front (before minutes of lowering); the normalised options
     (also the cache key's input). Raises UserError with a one-line reason."""
     cfg = model.config
+    if backend not in ("xnnpack", "coreml", "neuropilot"):
+        raise UserError(f"unknown ExecuTorch back-end {backend!r}: use xnnpack, coreml or neuropilot")
+    if backend == "neuropilot":
+        return _neuropilot_options(model, recipe, kv, max_seq_len, window, num_sinks, lookahead, custom_ops,
+                                   embedding_4bit, all_logits, bos_id, eos_ids, platform)
     if recipe not in SCHEMES:
         raise UserError(f"unknown ExecuTorch recipe {recipe!r}: use one of {', '.join(SCHEMES)}")
-    if backend not in ("xnnpack", "coreml"):
-        raise UserError(f"unknown ExecuTorch back-end {backend!r}: use xnnpack or coreml")
     require_sdk(backend)
     if recipe == "fp16" and backend != "coreml":
         raise UserError("recipe fp16 is Core ML's compute precision; for XNNPACK use fp32, 8da8w or 8da4w")
@@ -266,6 +289,39 @@ def resolve_options(model: Transformer, *, recipe: str = "fp32", group_size: int
     }
 
 
+def _neuropilot_options(model: Transformer, recipe: str, kv: str, max_seq_len: int | None, window: int | None,
+                        num_sinks: int, lookahead: int | None, custom_ops: bool | None, embedding_4bit: bool,
+                        all_logits: bool, bos_id: int | None, eos_ids: list[int] | None, platform: str
+                        ) -> dict[str, Any]:
+    """MediaTek NeuroPilot: a float model, quantized statically by NeuropilotQuantizer; a static cache and
+    one token per call (the Neuron compiler takes fixed shapes; ExecuTorch's runner then prefills
+    token by token), plain-op attention (the delegate cannot take ExecuTorch's custom ops)."""
+    if recipe not in NEUROPILOT_RECIPES:
+        raise UserError(f"recipe {recipe!r} is not a NeuroPilot recipe: use one of {', '.join(NEUROPILOT_RECIPES)}")
+    if platform not in NEUROPILOT_PLATFORMS:
+        raise UserError(f"unknown MediaTek platform {platform!r}: use one of {', '.join(NEUROPILOT_PLATFORMS)}")
+    if kv != "static" or window is not None or num_sinks or lookahead is not None:
+        raise UserError("the NeuroPilot build supports kv='static' only (its graph has fixed shapes)")
+    if custom_ops:
+        raise UserError("NeuroPilot cannot delegate ExecuTorch's custom attention ops: use custom_ops=False")
+    if embedding_4bit:
+        raise UserError("embedding_4bit is an XNNPACK recipe; NeuroPilot quantizes with its own quantizer")
+    if is_quantized(model):
+        raise UserError("NeuroPilot quantizes the float model itself: pass the float checkpoint")
+    require_sdk("mediatek")
+    cfg = model.config
+    max_seq_len = max_seq_len or cfg.max_position_embeddings
+    if max_seq_len < 2:
+        raise UserError(f"max_seq_len must be at least 2, got {max_seq_len}")
+    bos = bos_id if bos_id is not None else cfg.bos_token_id
+    eos = list(eos_ids) if eos_ids is not None else cfg.eos_token_ids
+    return {"scheme": recipe, "recipe_name": recipe, "group_size": None, "embedding_4bit": False,
+            "prequantized": False, "layout": "static", "max_seq_len": max_seq_len, "max_chunk": 1, "window": None,
+            "num_sinks": 0, "lookahead": None, "delegate": "neuropilot", "custom_ops": False,
+            "all_logits": all_logits, "bos_id": -1 if bos is None else int(bos), "eos_ids": [int(e) for e in eos],
+            "platform": platform}
+
+
 def _recipe_name(recipe: str, group_size: int, embedding_4bit: bool, prequantized: bool) -> str:
     if prequantized:
         return f"{recipe} (pre-quantized)"
@@ -317,7 +373,72 @@ def _torch_export(module: nn.Module, example: tuple, dynamic: tuple, opts: dict[
         return ep.run_decompositions({})
 
 
+@contextlib.contextmanager
+def _finite_mask(enabled: bool, value: float = -100.0) -> Iterator[None]:
+    """While tracing, make the attention mask an additive 0 / `value` bias instead of a boolean one.
+
+    SDPA turns a boolean mask into -inf scores; a statically quantized graph (NeuroPilot's int16
+    activations) would spend its whole range on them and lose every real score (measured: logits
+    off by more than their own magnitude). A finite bias keeps the scores' resolution, as in the QNN
+    graph (`onnx_static.MASK_OFF`)."""
+    if not enabled:
+        yield
+        return
+    import edgefinfer.model as model_module
+
+    boolean = model_module.attention_mask
+    model_module.attention_mask = lambda *a, **kw: torch.where(boolean(*a, **kw), 0.0, value)
+    try:
+        yield
+    finally:
+        model_module.attention_mask = boolean
+
+
+def _neuropilot_quantize(exported, example: tuple, opts: dict[str, Any], vocab_size: int):
+    """Static quantization as MediaTek's flow does it (pt2e with ExecuTorch's NeuropilotQuantizer):
+    observe the calibration tokens one decode step at a time, convert, export again."""
+    import executorch.kernels.quantized  # noqa: F401 (Q/DQ left outside the delegate need these out variants)
+    import numpy as np
+    from executorch.backends.mediatek import NeuropilotQuantizer, Precision
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    class FloatOnlyQuantizer(NeuropilotQuantizer):
+        """ExecuTorch 1.5.1's annotator also marks integer ops (our position arithmetic, `input_pos +
+        arange`) for quantization, which then fails; only floating-point values are quantized."""
+
+        def annotate(self, model):
+            super().annotate(model)
+            for node in model.graph.nodes:
+                val = node.meta.get("val")
+                if isinstance(val, torch.Tensor) and not val.dtype.is_floating_point:
+                    node.meta.pop("quantization_annotation", None)
+            return model
+
+    quantizer = FloatOnlyQuantizer()
+    quantizer.setup_precision(getattr(Precision, NEUROPILOT_RECIPES[opts["scheme"]]))
+    prepared = prepare_pt2e(exported.module(), quantizer)
+    streams = opts.get("calibration") or [np.random.default_rng(0).integers(0, vocab_size, 64).tolist()]
+    with torch.no_grad():
+        for stream in streams:  # each stream from position 0: the cache is causal, older entries are hidden
+            for pos, token in enumerate(stream[: opts["max_seq_len"]]):
+                prepared(torch.tensor([[token]]), torch.tensor([pos]))
+    converted = convert_pt2e(prepared, fold_quantize=False)
+    return _torch_export(converted, example, (None, None), opts)
+
+
+def neuropilot_partitioner(opts: dict[str, Any]):
+    """ExecuTorch's NeuropilotPartitioner with the compile specs for `opts["platform"]` (needs the SDK)."""
+    from executorch.backends.mediatek import NeuropilotPartitioner
+    from executorch.exir.backend.compile_spec_schema import CompileSpec
+
+    specs = [CompileSpec("platform-config", opts["platform"].encode())]
+    specs += [CompileSpec(key, value) for key, value in NEUROPILOT_COMPILE_OPTIONS]
+    return NeuropilotPartitioner(specs)
+
+
 def _partitioners(opts: dict[str, Any]) -> list:
+    if opts["delegate"] == "neuropilot":
+        return [neuropilot_partitioner(opts)]
     if opts["delegate"] == "coreml":
         import coremltools as ct
         from executorch.backends.apple.coreml.compiler import CoreMLBackend

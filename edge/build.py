@@ -287,9 +287,13 @@ def compile_artefact(target: Target, model, tokenizer, recipe: str, folder: Path
     if target.format == "pte":
         from edgefinfer.compile.executorch_export import export_pte
 
-        et_recipe = recipe if recipe in ("fp32", "fp16", "8da8w") else "8da4w"
+        et_recipe = recipe if recipe in ("fp32", "fp16", "8da8w") or recipe.startswith("qdq-") else "8da4w"
         cache = (dict(kv="window", window=window, num_sinks=sinks) if window else
                  dict(kv="static", max_seq_len=opts.max_seq_len))
+        if target.delegate == "neuropilot":  # its static quantizer observes calibration text
+            from edgefinfer.data import load_text
+
+            cache["calibration"] = [tokenizer.encode(load_text("calib")[:8000])[:256]]
         meta = export_pte(model, folder / "model.pte", recipe=et_recipe, backend=target.delegate or "xnnpack",
                           bos_id=tokenizer.bos_id, eos_ids=list(eos), **cache)
         return ["model.pte"], meta

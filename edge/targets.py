@@ -77,8 +77,9 @@ TARGETS: dict[str, Target] = {t.name: t for t in [
            None, (ONNX, ONNXRUNTIME)),
     Target("qnn", "Qualcomm Snapdragon NPUs (HTP): ONNX Runtime QNN context binary, QDQ A16W8, static shapes",
            "qnn-context", "onnxruntime", "qdq-a16w8", "qnn", (ONNX, ONNXRUNTIME, ORT_QNN), runs_here=True),
-    Target("mediatek", "MediaTek APUs: ExecuTorch .pte delegated to NeuroPilot", "pte", "executorch", "8da4w-g32-emb4",
-           "neuropilot", (EXECUTORCH, MEDIATEK), runs_here=False),
+    Target("mediatek", "MediaTek APUs (Dimensity): ExecuTorch .pte delegated to NeuroPilot, static A16W8 "
+           "(NeuropilotQuantizer)", "pte", "executorch", "qdq-a16w8", "neuropilot", (EXECUTORCH, MEDIATEK),
+           runs_here=False),
     Target("gpu-server", "GPU servers: llama.cpp GGUF for edgefinfer serve (CUDA build of llama-cpp-python)",
            "gguf", "llamacpp", "int8-g32-emb8", None, (GGUF,)),
 ]}
