@@ -18,11 +18,12 @@ import hashlib
 import json
 import os
 import platform
+import re
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
 from edgefinfer.atomic import atomic_dir
@@ -143,25 +144,25 @@ class BundleWriter:
         return self.dest
 
 
+MAX_MANIFEST_BYTES = 16 << 20  # a real manifest is a few KiB; a bigger one is not read into memory
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
 def load_manifest(path: str | Path, target: str | None = None, verify: bool = True) -> Manifest:
-    """Read and verify a bundle. Raises UserError naming the first problem found."""
+    """Read and verify a bundle. Raises UserError naming the first problem found.
+
+    A bundle is untrusted input (a file a phone app downloads): the manifest is schema-checked before
+    any field is used, every artefact path must be relative, normalised and inside the bundle, and no
+    file may resolve (through symlinks) outside it, so a manifest cannot make the runtime open, hash
+    or run a file elsewhere on the device."""
     folder = Path(path)
     if not folder.is_dir():
         raise UserError(f"bundle {folder} does not exist (build one with `edgefinfer build --target ...`)")
     file = folder / MANIFEST
     if not file.is_file():
         raise UserError(f"{folder} is not a bundle: it has no {MANIFEST}")
-    try:
-        raw = json.loads(file.read_text())
-        if raw.get("format") != FORMAT:
-            raise UserError(f"{file} is not an edgefinfer bundle manifest (format {raw.get('format')!r})")
-        if raw.get("format_version") != FORMAT_VERSION:
-            raise UserError(f"bundle format version {raw.get('format_version')} is not supported "
-                            f"(this edgefinfer reads version {FORMAT_VERSION}); rebuild the bundle")
-        raw["artefacts"] = [Artefact(**a) for a in raw["artefacts"]]
-        manifest = Manifest(**raw)
-    except (json.JSONDecodeError, TypeError, KeyError) as e:
-        raise UserError(f"{file} is malformed ({e}); rebuild the bundle") from None
+    inside(folder, MANIFEST)
+    manifest = parse_manifest(_read_manifest(file), file)
     if target is not None and manifest.target != target:
         raise UserError(f"bundle {folder} was built for target {manifest.target!r}, not {target!r}")
     if verify:
@@ -170,10 +171,101 @@ def load_manifest(path: str | Path, target: str | None = None, verify: bool = Tr
     return manifest
 
 
+def _read_manifest(file: Path) -> Any:
+    if file.stat().st_size > MAX_MANIFEST_BYTES:
+        raise UserError(f"{file} is {file.stat().st_size} bytes, not a bundle manifest (at most "
+                        f"{MAX_MANIFEST_BYTES >> 20} MiB); rebuild the bundle")
+    try:
+        return json.loads(file.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
+        reason = "nested too deeply" if isinstance(e, RecursionError) else str(e).splitlines()[0][:120]
+        raise UserError(f"{file} is malformed ({reason}); rebuild the bundle") from None
+
+
+# (key, types, required) of the manifest and of each artefact entry; everything else is refused.
+_MANIFEST_FIELDS = (("format", str, True), ("format_version", int, True), ("target", str, True),
+                    ("model", dict, True), ("artefacts", list, True), ("recipe", dict, False),
+                    ("metrics", dict, False), ("tools", dict, False), ("created", str, False))
+_ARTEFACT_FIELDS = (("path", str, True), ("format", str, True), ("role", str, True), ("size", int, True),
+                    ("sha256", str, True), ("backend", (str, type(None)), False), ("recipe", (str, type(None)), False),
+                    ("meta", dict, False))
+
+
+def parse_manifest(raw: Any, file: Path | str = MANIFEST) -> Manifest:
+    """A `Manifest` from parsed JSON, or a UserError naming the first field that is wrong."""
+    def bad(what: str) -> UserError:
+        return UserError(f"{file} is malformed ({what}); rebuild the bundle")
+
+    _check_fields(raw, _MANIFEST_FIELDS, "the manifest", bad)
+    if raw["format"] != FORMAT:
+        raise UserError(f"{file} is not an edgefinfer bundle manifest (format {raw['format']!r})")
+    if raw["format_version"] != FORMAT_VERSION:
+        raise UserError(f"bundle format version {raw['format_version']} is not supported "
+                        f"(this edgefinfer reads version {FORMAT_VERSION}); rebuild the bundle")
+    artefacts, seen = [], set()
+    for i, entry in enumerate(raw["artefacts"]):
+        _check_fields(entry, _ARTEFACT_FIELDS, f"artefacts[{i}]", bad)
+        rel = entry["path"]
+        problem = _path_problem(rel)
+        if problem:
+            raise bad(f"artefacts[{i}].path {rel[:80]!r} {problem}")
+        if rel in seen:
+            raise bad(f"artefacts[{i}].path {rel!r} is listed twice")
+        seen.add(rel)
+        if entry["size"] < 0:
+            raise bad(f"artefacts[{i}].size is negative")
+        if not _SHA256.fullmatch(entry["sha256"]):
+            raise bad(f"artefacts[{i}].sha256 is not 64 lower-case hex digits")
+        artefacts.append(Artefact(**entry))
+    return Manifest(**{**raw, "artefacts": artefacts})
+
+
+def _check_fields(obj: Any, fields: tuple, where: str, bad) -> None:
+    if not isinstance(obj, dict):
+        raise bad(f"{where} is a JSON {type(obj).__name__}, not an object")
+    known = {name for name, _, _ in fields}
+    extra = sorted(set(obj) - known)
+    if extra:
+        raise bad(f"{where} has unknown key {extra[0]!r}")
+    for name, types, required in fields:
+        if name not in obj:
+            if required:
+                raise bad(f"{where} has no {name!r}")
+            continue
+        value = obj[name]
+        # bool is an int to Python, never to a manifest
+        if not isinstance(value, types) or (isinstance(value, bool) and types is int):
+            raise bad(f"{where}.{name} is a JSON {type(value).__name__}")
+
+
+def _path_problem(rel: str) -> str | None:
+    """Why `rel` cannot name a file inside a bundle (None if it can)."""
+    if not rel or "\x00" in rel or "\\" in rel:
+        return "is empty or holds a NUL or backslash"
+    pure = PurePosixPath(rel)
+    if pure.is_absolute() or PureWindowsPath(rel).drive:
+        return "is absolute"
+    if any(part in ("..", ".") for part in pure.parts) or str(pure) != rel:
+        return "is not a normalised relative path inside the bundle"
+    return None
+
+
+def inside(folder: Path, rel: str) -> Path:
+    """`folder / rel`, refusing a path that resolves (through any symlink) outside `folder`."""
+    root = folder.resolve()
+    target = (folder / rel).resolve()
+    if target != root and root not in target.parents:
+        raise UserError(f"{rel} in bundle {folder} resolves outside the bundle (a symlink?); refusing to read it")
+    return target
+
+
 def verify_artefact(folder: Path, art: Artefact) -> Path:
     file = folder / art.path
-    if not file.is_file():
+    if not file.exists() and not file.is_symlink():
         raise UserError(f"bundle {folder} is missing {art.path}; rebuild the bundle")
+    inside(folder, art.path)
+    if not file.is_file():
+        raise UserError(f"{art.path} in bundle {folder} is not a regular file; rebuild the bundle")
     size = os.path.getsize(file)
     if size != art.size:
         raise UserError(f"{art.path} in bundle {folder} has {size} bytes, the manifest says {art.size} "
