@@ -18,6 +18,7 @@ fails with one line naming the best it reached, and nothing is written.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import shutil
 import sys
@@ -82,6 +83,9 @@ def default_out(target: str) -> Path:
 
 
 def build(opts: BuildOptions) -> Path:
+    # A static cache holds max_seq_len positions: score the float model, the candidates and the artefact
+    # on the same windows (a shorter window alone raises perplexity by several percent).
+    opts = dataclasses.replace(opts, eval_window=min(opts.eval_window, opts.max_seq_len))
     target = get_target(opts.target)
     target.check()  # a missing SDK fails here, before any work
     _check_budget(target, opts)
@@ -254,10 +258,6 @@ def quantize_for(model, target: Target, recipe: str, tokenizer):
     its eager perplexity is the artefact's up to the runtime's float arithmetic."""
     if recipe in FLOAT_RECIPES or recipe.startswith("qdq-"):
         return model  # exporters handle float, Core ML fp16 and QNN QDQ (calibrated on the float model)
-    if recipe == "8da8w":  # the ExecuTorch exporter's own 8da8w quantization, done here so it can be measured
-        from edgefinfer.compile.et_quant import quantize_for_xnnpack
-
-        return quantize_for_xnnpack(model, "8da8w")
     from edgefinfer.compile.quant.apply import quantize_model
     from edgefinfer.compile.quant.recipe import parse_recipe
 
@@ -287,7 +287,11 @@ def compile_artefact(target: Target, model, tokenizer, recipe: str, folder: Path
     if target.format == "pte":
         from edgefinfer.compile.executorch_export import export_pte
 
-        et_recipe = recipe if recipe in ("fp32", "fp16", "8da8w") or recipe.startswith("qdq-") else "8da4w"
+        from edgefinfer.compile.et_quant import is_quantized, scheme_of
+
+        # A quantized model goes as it is (8da4w if any linear is 4-bit, else 8da8w).
+        et_recipe = (scheme_of(model) if is_quantized(model) else
+                     recipe if recipe in ("fp32", "fp16", "8da8w") or recipe.startswith("qdq-") else "8da4w")
         cache = (dict(kv="window", window=window, num_sinks=sinks) if window else
                  dict(kv="static", max_seq_len=opts.max_seq_len))
         if target.delegate == "neuropilot":  # its static quantizer observes calibration text
@@ -377,7 +381,7 @@ def evaluate_artefact(target: Target, path: Path, test_ids: list[int], float_ppl
 
 def check_recipe(model, target: Target, recipe: str) -> None:
     """A one-line UserError, before any work, if `recipe` cannot make `target`'s artefact from `model`."""
-    if recipe in FLOAT_RECIPES or recipe.startswith("qdq-") or (recipe == "8da8w" and target.format == "pte"):
+    if recipe in FLOAT_RECIPES or recipe.startswith("qdq-"):
         return  # the exporters check these themselves, up front
     from edgefinfer.compile.quant.apply import plan_formats
     from edgefinfer.compile.quant.recipe import parse_recipe
@@ -389,8 +393,8 @@ def check_recipe(model, target: Target, recipe: str) -> None:
 
         gguf_types_for(model, parsed)  # only formats with an exact GGUF type
     elif target.format == "pte" and parsed.activations != "int8-per-token":
-        raise UserError(f"recipe {recipe}: ExecuTorch's XNNPACK runs 8da4w-* recipes (int4 weights, int8 dynamic "
-                        "activations), 8da8w or fp32")
+        raise UserError(f"recipe {recipe}: ExecuTorch's XNNPACK runs 8da4w-* and 8da8w recipes (int4 / int8 weights, "
+                        "int8 dynamic activations) or fp32")
 
 
 @dataclass

@@ -96,23 +96,28 @@ def test_quality_budget_skips_candidates_that_cannot_apply(tmp_path, tiny_dir):
     assert manifest.metrics["ppl_delta_pct"] <= 50
 
 
-def test_8da8w_candidate_is_measured_quantized_as_the_exporter_quantizes_it(tiny_dir):
-    """quantize_for used to hand 8da8w back in float (scored +0%); now it is the exporter's own 8da8w model."""
+def test_8da8w_candidate_is_measured_quantized(tiny_dir):
+    """quantize_for used to hand 8da8w back in float (scored +0%): now it is quantized (int8 per-channel
+    weights, int8 dynamic activations, int8 per-row embeddings and tied head), which export_pte takes
+    as it is, so the eager figure is the .pte's."""
     import torch
 
     from edgefinfer.build import quantize_for
     from edgefinfer.checkpoint import load_model
-    from edgefinfer.compile.executorch_export import _prepare_weights, resolve_options
+    from edgefinfer.compile.executorch_export import resolve_options
+    from edgefinfer.compile.quant.modules import QuantEmbedding, QuantLinear
     from edgefinfer.targets import get_target
 
     model = load_model(tiny_dir)
     quantized = quantize_for(model, get_target("android"), "8da8w", None)
-    exporter_own = _prepare_weights(model, resolve_options(model, recipe="8da8w"))
+    formats = {(type(m).__name__, m.fmt.label(), getattr(m, "act_quant", None)) for m in quantized.modules()
+               if isinstance(m, (QuantLinear, QuantEmbedding))}
+    assert formats == {("QuantLinear", "int8-pc-sym", True), ("QuantEmbedding", "int8-pc-sym", None)}
     ids = torch.arange(40)[None] % model.config.vocab_size
     with torch.no_grad():
-        got, want, float_logits = quantized(ids), exporter_own(ids), model(ids)
-    assert torch.equal(got, want) and not torch.equal(got, float_logits)
-    assert resolve_options(quantized, recipe="8da8w")["prequantized"]  # export_pte takes these codes as they are
+        assert not torch.equal(quantized(ids), model(ids))
+    opts = resolve_options(quantized, recipe="8da8w")
+    assert opts["prequantized"] and opts["scheme"] == "8da8w"  # export_pte takes these codes as they are
 
 
 def test_quality_budget_nobody_meets_fails_naming_the_best(tmp_path, tiny_dir, monkeypatch):

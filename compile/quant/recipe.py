@@ -4,7 +4,8 @@ A recipe name is a short dash-separated string parsed by `parse_recipe`:
 
     SCHEME [-METHOD] [-gN | -pc] [-sym | -asym] [-embF] [-rot]
 
-    SCHEME  int8 | int4 | 8da4w | fp8       (8da4w = int8 dynamic per-token activations, int4 weights)
+    SCHEME  int8 | int4 | 8da4w | 8da8w | fp8  (8daNw = int8 dynamic per-token activations, intN weights;
+                                               8da8w is per-channel, with int8 per-row embeddings)
     METHOD  rtn (default) | gptq (act-order, static groups, true-sequential) | gptq-noact
             | awq (scales, then clipping search) | awq-noclip (scales only) | awq-gptq (AWQ's scales, then GPTQ)
     -gN     group size N along the input dimension; -pc = per output channel (one group per row)
@@ -223,7 +224,7 @@ _EMBEDDINGS = {
     "embf": None,
 }
 _NAME = re.compile(
-    r"^(?P<scheme>int8|int4|8da4w|fp8)"
+    r"^(?P<scheme>int8|int4|8da4w|8da8w|fp8)"
     r"(?:-(?P<method>rtn|gptq-noact|gptq|awq-gptq|awq-noclip|awq))?"
     r"(?:-(?P<group>g\d+|pc))?"
     r"(?:-(?P<sym>sym|asym))?"
@@ -237,7 +238,7 @@ RECIPE_NAMES: tuple[str, ...] = (
     "int4-g32", "int4-g64", "int4-g128", "int4-g64-sym",
     "int4-gptq-g32", "int4-gptq-g64", "int4-gptq-g128", "int4-gptq-g64-sym", "int4-gptq-noact-g64-sym",
     "int4-awq-g32", "int4-awq-g64", "int4-awq-g128", "int4-awq-g64-sym", "int4-awq-noclip-g32", "int4-awq-gptq-g32",
-    "8da4w-g32", "8da4w-g64", "8da4w-g128",
+    "8da4w-g32", "8da4w-g64", "8da4w-g128", "8da8w",
     "fp8",
 )
 
@@ -263,6 +264,11 @@ def parse_recipe(name: str) -> QuantRecipe:
     elif scheme == "int8":
         weights = WeightFormat("int", 8, group_size, sym != "asym")
         default_emb = WeightFormat("int", 8, None, True)
+    elif scheme == "8da8w":  # XNNPACK's qc8w linear; the embedding and a tied head int8 per row as well
+        if group not in (None, "pc") or sym == "asym":
+            raise UserError(f"recipe {name!r}: 8da8w is symmetric per-channel int8 (XNNPACK's qc8w); drop -gN/-asym")
+        weights = WeightFormat("int", 8, None, True)
+        default_emb = WeightFormat("int", 8, None, True)
     else:  # int4 and 8da4w
         if scheme == "8da4w" and sym == "asym":
             raise UserError(f"recipe {name!r}: 8da4w uses symmetric weights (XNNPACK's layout); drop -asym")
@@ -283,7 +289,7 @@ def parse_recipe(name: str) -> QuantRecipe:
         name=name,
         weights=weights,
         method=method,  # type: ignore[arg-type]
-        activations="int8-per-token" if scheme == "8da4w" else "none",
+        activations="int8-per-token" if scheme in ("8da4w", "8da8w") else "none",
         embedding=embedding,
         lm_head=embedding,
         gptq=GPTQSettings(act_order=act_order),
