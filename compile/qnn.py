@@ -181,6 +181,7 @@ def build_qnn(model: Transformer, out_dir: str | Path, *, soc: str = "sm8650", c
     require_qnn()  # fail before any work when the package is missing
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    before = {p.name for p in out.iterdir()}  # e.g. the bundle's tokenizer: not ours to list
     t0 = time.perf_counter()
     graphs = [(FLOAT_FILE, QDQ_FILE, CTX_FILE, 1)]
     if chunk > 1:  # calibrated first: its calls see whole chunks of text, the generator's ranges follow
@@ -209,7 +210,7 @@ def build_qnn(model: Transformer, out_dir: str | Path, *, soc: str = "sm8650", c
         for float_file, *_ in graphs:
             for f in out.glob(float_file + "*"):
                 f.unlink()
-    files = sorted(p.name for p in out.iterdir() if p.is_file())
+    files = sorted(p.name for p in out.iterdir() if p.is_file() and p.name not in before)
     return {**{k: v for k, v in meta.items() if k != "chunk"}, "files": files, "context": context,
             "context_model": CTX_FILE, "qdq_model": QDQ_FILE,
             "prompt_context_model": PROMPT_CTX_FILE if chunk > 1 else None,
