@@ -39,8 +39,9 @@ from edgefinfer.model import Transformer
 from edgefinfer.tokenizer import Tokenizer
 
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
-# llama.cpp ftypes reached by re-quantizing an F32 file with llama_model_quantize.
-LLAMA_FTYPES = {"q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "q4_k_s": "LLAMA_FTYPE_MOSTLY_Q4_K_S",
+# llama.cpp ftypes reached by re-quantizing an F32 file with llama_model_quantize (its own rounding:
+# Q4_1 there keeps a float block minimum, which our integer zero points cannot express).
+LLAMA_FTYPES = {"q4_1": "LLAMA_FTYPE_MOSTLY_Q4_1", "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "q4_k_s": "LLAMA_FTYPE_MOSTLY_Q4_K_S",
                 "q5_k_m": "LLAMA_FTYPE_MOSTLY_Q5_K_M", "q6_k": "LLAMA_FTYPE_MOSTLY_Q6_K",
                 "q3_k_m": "LLAMA_FTYPE_MOSTLY_Q3_K_M", "q2_k": "LLAMA_FTYPE_MOSTLY_Q2_K"}
 _HF_TO_GGUF_LAYER = {v: k for k, v in _LAYER_TENSORS.items()}
@@ -327,4 +328,10 @@ def _export_k_quant(model: Transformer, tokenizer: Tokenizer, path: Path, dtype:
     finally:
         f32.unlink(missing_ok=True)
         tmp.unlink(missing_ok=True)
-    return {"gguf_type": dtype, "notes": [f"{dtype.upper()} by llama_model_quantize from F32"]}
+    from edgefinfer.gguf_import import open_gguf
+
+    counts: dict[str, int] = {}
+    for t in open_gguf(path).reader.tensors:  # what llama.cpp chose per tensor (e.g. a different head type)
+        counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
+    return {"gguf_type": dtype, "tensor_types": dict(sorted(counts.items())),
+            "notes": [f"{dtype.upper()} by llama_model_quantize from F32"]}

@@ -39,9 +39,12 @@ CANDIDATES: dict[str, list[str]] = {
     "pte": ["8da4w-g128-emb4", "8da4w-g32-emb4", "8da4w-gptq-g32-emb4", "8da4w-g32", "8da4w-gptq-g32", "8da8w",
             "fp32"],
     "onnx": ["int4-g64", "int4-g32", "int4-gptq-g32", "int8", "fp32"],
-    "gguf": ["int4-g32-sym", "int4-g32", "int4-gptq-g32", "int8-g32-emb8", "fp16"],
+    "gguf": ["int4-g32-sym", "int4-g32", "llamacpp-q4_1", "int4-gptq-g32", "int8-g32-emb8", "fp16"],
 }
 FLOAT_RECIPES = ("fp32", "fp16")
+# GGUF recipes quantized by llama.cpp's own quantizer (llama_model_quantize) from the float model:
+# "llamacpp-q4_1" etc. Their eager reference is the written file, dequantized.
+LLAMACPP_PREFIX = "llamacpp-"
 # The peer runner that reads a format's tokenizer.json (llama.cpp reads the GGUF's own vocabulary).
 RUNNER_DIALECT = {"pte": "executorch", "onnx": "onnxruntime-genai"}
 
@@ -256,8 +259,8 @@ def quantize_for(model, target: Target, recipe: str, tokenizer):
     """The model as the exporter should see it: quantized by our recipes, or float. What comes back
     is what the artefact computes (the exporters re-pack quantized layers without re-quantizing), so
     its eager perplexity is the artefact's up to the runtime's float arithmetic."""
-    if recipe in FLOAT_RECIPES or recipe.startswith("qdq-"):
-        return model  # exporters handle float, Core ML fp16 and QNN QDQ (calibrated on the float model)
+    if recipe in FLOAT_RECIPES or recipe.startswith("qdq-") or recipe.startswith(LLAMACPP_PREFIX):
+        return model  # exporters handle float, Core ML fp16, QNN QDQ and llama.cpp's quantizer themselves
     from edgefinfer.compile.quant.apply import quantize_model
     from edgefinfer.compile.quant.recipe import parse_recipe
 
@@ -282,8 +285,10 @@ def compile_artefact(target: Target, model, tokenizer, recipe: str, folder: Path
     if target.format == "gguf":
         from edgefinfer.compile.gguf_export import export_gguf
 
-        # Quantized layers keep their codes (Q4_0 / Q4_1 / Q8_0, or refused); float matrices are F16.
-        return ["model.gguf"], export_gguf(model, tokenizer, folder / "model.gguf", "f16")
+        # Quantized layers keep their codes (Q4_0 / Q4_1 / Q8_0, or refused); float matrices are F16,
+        # or, for llamacpp-* recipes, whatever llama.cpp's quantizer makes of them.
+        dtype = recipe.removeprefix(LLAMACPP_PREFIX) if recipe.startswith(LLAMACPP_PREFIX) else "f16"
+        return ["model.gguf"], export_gguf(model, tokenizer, folder / "model.gguf", dtype)
     if target.format == "pte":
         from edgefinfer.compile.executorch_export import export_pte
 
@@ -383,6 +388,14 @@ def check_recipe(model, target: Target, recipe: str) -> None:
     """A one-line UserError, before any work, if `recipe` cannot make `target`'s artefact from `model`."""
     if recipe in FLOAT_RECIPES or recipe.startswith("qdq-"):
         return  # the exporters check these themselves, up front
+    if recipe.startswith(LLAMACPP_PREFIX):
+        from edgefinfer.compile.gguf_export import LLAMA_FTYPES
+
+        ftype = recipe.removeprefix(LLAMACPP_PREFIX)
+        if target.format != "gguf" or ftype not in LLAMA_FTYPES:
+            raise UserError(f"recipe {recipe}: llama.cpp's quantizer makes GGUF files (gpu-server), with "
+                            f"{', '.join(LLAMACPP_PREFIX + t for t in LLAMA_FTYPES)}")
+        return
     from edgefinfer.compile.quant.apply import plan_formats
     from edgefinfer.compile.quant.recipe import parse_recipe
 
@@ -440,14 +453,29 @@ def eager_candidates(model, target: Target, tokenizer, float_ppl: float, test_id
             tried.append(Candidate(recipe, skipped=str(e)))
             continue
         quantized = quantize_for(model, target, recipe, tokenizer)
-        ppl = _perplexity_of(lambda ids: quantized(ids), test_ids, opts.eval_window)
-        tried.append(Candidate(recipe, size_bytes=model_size_bytes(quantized),
+        scored, size = (_llamacpp_weights(model, tokenizer, recipe) if recipe.startswith(LLAMACPP_PREFIX) else
+                        (quantized, model_size_bytes(quantized)))
+        ppl = _perplexity_of(lambda ids: scored(ids), test_ids, opts.eval_window)
+        tried.append(Candidate(recipe, size_bytes=size,
                                eager_ppl_delta=round(100 * (ppl / float_ppl - 1), 3)))
         within = tried[-1].eager_ppl_delta <= opts.quality_budget
         print(f"  candidate {recipe:<22} eager ppl {ppl:8.3f} ({tried[-1].eager_ppl_delta:+.2f}%) "
               f"{'within budget: compile it' if within else 'over budget'}", file=sys.stderr)
         if within:
             yield recipe, quantized
+
+
+def _llamacpp_weights(model, tokenizer, recipe: str):
+    """(model, file bytes): the weights llama.cpp's quantizer gives the model, the file written and
+    read back (gguf-py dequantizes every type exactly), so the candidate is scored on what it holds."""
+    import tempfile
+
+    from edgefinfer.compile.gguf_export import export_gguf
+    from edgefinfer.gguf_import import import_gguf
+
+    with tempfile.TemporaryDirectory() as tmp:
+        export_gguf(model, tokenizer, Path(tmp) / "m.gguf", recipe.removeprefix(LLAMACPP_PREFIX))
+        return import_gguf(Path(tmp) / "m.gguf")[0], (Path(tmp) / "m.gguf").stat().st_size
 
 
 def _confirmed(figures: dict[str, Any], budget: float, tried: list[Candidate], target: Target) -> bool:

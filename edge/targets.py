@@ -11,9 +11,12 @@ model). On the shipped SmolLM2-135M no 4-bit recipe gets there: its weights were
 GGUF Q4_1 (16 levels per group of 32 with a float minimum), and re-rounding them onto another
 4-bit grid (symmetric for XNNPACK, integer zero points for MatMulNBits / Q4_1 from our codes)
 costs +12% to +28% even with GPTQ and 8-bit layers where the loss is largest (measured). So the
-defaults are 8-bit: android / linux-arm64 8da8w (+2.0% eager; the previous 8da4w-g32-emb4
-was +47% on the .pte), linux-x86_64 int8 (+0.6%), gpu-server Q8_0 (+0.1%). 4-bit recipes stay one
-`--recipe` away (8da4w-gptq-g32, int4-gptq-g32, int4-g32-sym) for models that never saw a 4-bit grid.
+XNNPACK and ONNX defaults are 8-bit: android / linux-arm64 8da8w (+2.0% eager; the previous
+8da4w-g32-emb4 was +47% on the .pte), linux-x86_64 int8 (+0.6%). gpu-server takes llama.cpp's own
+Q4_1 (`llamacpp-q4_1`, float block minimum: it lands back on the distributed grid, +0.4% measured by
+llama.cpp, 98 MB against Q8_0's 145 MB); on a model that never saw a 4-bit grid that figure would
+not hold, and `--quality-budget` measures it again. 4-bit recipes of our own stay one `--recipe`
+away (8da4w-gptq-g32, int4-gptq-g32, int4-g32-sym).
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ ORT_QNN = Requirement("onnxruntime-qnn (Qualcomm QNN execution provider)", "onnx
 MEDIATEK = Requirement("MediaTek NeuroPilot SDK (mtk_converter)", "mtk_converter",
                        how="install mtk_converter and mtk_neuron from MediaTek's NeuroPilot SDK; they are not on PyPI")
 GGUF = Requirement("gguf", "gguf", how="pip install gguf==0.19.0")
+# llama.cpp's quantizer (the default gpu-server recipe) and runtime (to measure the file).
+LLAMA_CPP = Requirement("llama-cpp-python", "llama_cpp", how="pip install 'edgefinfer[llamacpp]'")
 
 
 @dataclass(frozen=True)
@@ -92,8 +97,8 @@ TARGETS: dict[str, Target] = {t.name: t for t in [
     Target("mediatek", "MediaTek APUs (Dimensity): ExecuTorch .pte delegated to NeuroPilot, static A16W8 "
            "(NeuropilotQuantizer)", "pte", "executorch", "qdq-a16w8", "neuropilot", (EXECUTORCH, MEDIATEK),
            runs_here=False),
-    Target("gpu-server", "GPU servers: llama.cpp GGUF for edgefinfer serve (CUDA build of llama-cpp-python)",
-           "gguf", "llamacpp", "int8-g32-emb8", None, (GGUF,)),
+    Target("gpu-server", "GPU servers: llama.cpp GGUF for edgefinfer serve (CUDA build of llama-cpp-python), Q4_1 by "
+           "llama.cpp's quantizer", "gguf", "llamacpp", "llamacpp-q4_1", None, (GGUF, LLAMA_CPP)),
 ]}
 
 

@@ -120,6 +120,23 @@ def test_8da8w_candidate_is_measured_quantized(tiny_dir):
     assert opts["prequantized"] and opts["scheme"] == "8da8w"  # export_pte takes these codes as they are
 
 
+def test_llamacpp_quantizer_candidate_is_scored_on_the_file_it_writes(tmp_path, tiny_dir, monkeypatch):
+    """llamacpp-q4_1 (llama.cpp's own rounding, float block minimum): the candidate is scored on the
+    written file read back, and llama.cpp's measurement of the shipped file agrees with that score."""
+    from edgefinfer import build as build_mod
+
+    monkeypatch.setitem(build_mod.CANDIDATES, "gguf", ["int4-g32-sym", "llamacpp-q4_1"])
+    build_mod.build(build_mod.BuildOptions(target="gpu-server", model=tiny_dir, out=tmp_path / "b", eval_tokens=256,
+                                           quality_budget=3.8))
+    manifest = load_manifest(tmp_path / "b", target="gpu-server")
+    first, chosen = manifest.recipe["candidates"]
+    assert first["eager_ppl_delta"] > 3.8 and chosen["recipe"] == manifest.recipe["name"] == "llamacpp-q4_1"
+    assert abs(chosen["runtime_ppl_delta"] - chosen["eager_ppl_delta"]) < 0.5
+    art = manifest.artefact("model")
+    assert art.meta["gguf_type"] == "q4_1" and art.meta["tensor_types"]["Q4_1"] >= 14
+    assert chosen["size_bytes"] == art.size
+
+
 def test_quality_budget_nobody_meets_fails_naming_the_best(tmp_path, tiny_dir, monkeypatch):
     """Without a float candidate to fall back on, a budget no quantized recipe meets is a one-line error
     naming the best candidate and its figure; nothing is written."""
@@ -141,6 +158,7 @@ def test_quality_budget_nobody_meets_fails_naming_the_best(tmp_path, tiny_dir, m
     (("--quality-budget", "5", "--eval-tokens", "0"), "--quality-budget needs an evaluation"),
     (("--recipe", "int4-g64"), "int4-g64-asym, which has no exact GGUF type"),
     (("--recipe", "int8"), "is int8-pc-sym, which has no exact GGUF type"),
+    (("--recipe", "llamacpp-q5"), "llama.cpp's quantizer makes GGUF files (gpu-server), with llamacpp-q4_1"),
 ])
 def test_bad_budgets_and_recipes_without_a_gguf_type_fail_in_one_line(tmp_path, tiny_dir, args, message):
     proc = cli("build", "--target", "gpu-server", "--model", str(tiny_dir), "-o", str(tmp_path / "b"),
