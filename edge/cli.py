@@ -161,9 +161,11 @@ def generate(model: str, prompt: str, kv: str | None, speculative: str | None, t
 def run(bundle: str, prompt: str | None, backend: str | None, kv: str | None, speculative: str | None,
         threads: int | None, **opts) -> None:
     """Run a bundle (or a .pte / .onnx / .gguf / HF folder) with the on-device runtime."""
+    from edgefinfer.quiet import quiet
     from edgefinfer.runtime.engine import Engine
 
-    engine = Engine.load(bundle, backend=backend, kv=kv, speculative=speculative, threads=threads)
+    with quiet():  # the runtimes' start-up chatter (QNN EP, Qualcomm's libraries); not while streaming
+        engine = Engine.load(bundle, backend=backend, kv=kv, speculative=speculative, threads=threads)
     if prompt is not None:
         _generate_with_engine(engine, prompt, **opts)
         return

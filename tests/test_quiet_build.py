@@ -53,13 +53,15 @@ def test_quiet_drops_library_lines_and_keeps_ours(enabled):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("onnxruntime_qnn") is None, reason="needs onnxruntime-qnn")
-def test_cli_build_is_quiet_and_its_bundle_readable(tmp_path):
+def test_cli_build_and_run_are_quiet_and_the_bundle_readable(tmp_path):
     """The qnn target is the fastest build that goes through noisy libraries (ONNX Runtime's QNN EP
-    and quantizer, Qualcomm's libraries on stdout); its quantizer also writes 0600 files."""
+    and quantizer, Qualcomm's libraries on stdout); its quantizer also writes 0600 files. `run` on
+    the HTP emulator loads the same libraries."""
     from edgefinfer.checkpoint import save_model
 
     tok = tiny_tokenizer(320)
-    save_model(tiny_model(vocab_size=tok.vocab_size, max_position_embeddings=256), tmp_path / "m")
+    tok.eos_token = None  # a random model would stop at a random EOS
+    save_model(tiny_model(vocab_size=tok.vocab_size, max_position_embeddings=256, eos_token_id=None), tmp_path / "m")
     tok.save(tmp_path / "m")
     args = ["build", "--target", "qnn", "-m", str(tmp_path / "m"), "-o", str(tmp_path / "b"), "--max-seq-len", "32",
             "--eval-tokens", "64"]
@@ -68,6 +70,11 @@ def test_cli_build_is_quiet_and_its_bundle_readable(tmp_path):
     assert [line for line in (proc.stderr + proc.stdout).splitlines() if any(n in line for n in NOISE)] == []
     assert all(f"[build {i}/5]" in proc.stderr for i in range(1, 6)) and "[qnn] context binaries" in proc.stderr
     assert "vs float" in proc.stdout  # the summary table
+    run = subprocess.run([sys.executable, "-m", "edgefinfer.cli", "run", str(tmp_path / "b"), "-p", "It is", "-n", "4"],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "EDGEFINFER_QNN_EP": "qnn"})
+    assert run.returncode == 0, run.stderr
+    assert [line for line in (run.stderr + run.stdout).splitlines() if any(n in line for n in NOISE)] == []
+    assert "4 generated" in run.stderr
     bundle = tmp_path / "b"
     assert bundle.stat().st_mode & 0o777 == _user_mode(directory=True)
     assert {p.name: oct(p.stat().st_mode & 0o777) for p in bundle.iterdir()} == \
