@@ -1,22 +1,30 @@
-"""Quantization benchmark: size and test perplexity of every scheme, on two models.
+"""Quantization benchmark: size and held-out perplexity of every scheme, on two models.
 
-    python bench/quantize.py [--quick] [--threads N]
+    python bench/quantize.py [--quick] [--threads N] [--only RECIPE,...] [--skip-student]
 
 Models:
-* the reference model (SmolLM2-135M-Instruct; its weights are dequantized Q4_1, i.e. already on an
-  asymmetric 4-bit grid in groups of 32, so asymmetric int4-g32 is nearly lossless by construction);
-* a model that was never quantized: a tiny Llama (d=256, 4 layers, GQA 4/2, tied embeddings) trained
-  here for a few minutes on the Austen train split with the SmolLM2 tokenizer, its vocabulary cut to the
-  4095 most frequent train tokens plus one UNK id (cached under $EDGEFINFER_CACHE/bench/).
+* the reference model (SmolLM2-135M-Instruct; its weights are dequantized Q4_1, i.e. they sit on an
+  asymmetric 4-bit grid with a float minimum per 32 weights; our asymmetric int4 uses an integer zero
+  point, so int4-g32 RTN is not lossless on it, see the rows);
+* a model whose weights never sat on a 4-bit grid after training: the structured+distilled student of
+  bench/compress.py (20 of 30 layers, 2 of 3 KV groups, MLP 768; 24 distillation steps from the
+  teacher), loaded from $EDGEFINFER_CACHE/models/smollm2-135m-draft where bench/compress.py saves it,
+  or made here the same way (about 10 minutes) when it is missing. Only the headline rows.
 
-Rows: float; int8 (per-channel, and g32 = GGUF Q8_0's layout); int4 RTN / GPTQ / AWQ at g32, g64,
-g128 (asymmetric) and g64 symmetric (and RTN with 4-bit embeddings); 8da4w-g32 with RTN and GPTQ;
-fp8; mixed precision (int4-g64-sym with int8-g32 for the most sensitive units) under the size budget
-of uniform int4-g32-sym, with RTN and with GPTQ. g128 does not divide SmolLM2's hidden size (576):
-those rows are recorded as skipped with the reason.
-Each row: packed size (what an exporter writes: codes at their bit width, fp16 scales, zero points,
-float tensors at 2 bytes), test perplexity (Persuasion, disjoint windows of 512 tokens over the first
-`eval_tokens`), KL to the float model, top-1 agreement, and the time quantization took.
+Calibration: token blocks of `calib-mix` (Austen, Shakespeare, the KJV Old Testament and docutils'
+code, interleaved; edgefinfer.data), except the row marked `calib=austen` (the Austen-only `calib`
+split, for comparison). Judged on four held-out domains that share no text with either calibration
+split: `test` (Persuasion: the existing test_ppl / kl / top-1 keys), `plays` (Shakespeare not in the
+mix), `bible` (KJV New Testament), `code` (requests' source); disjoint windows of 512 tokens.
+
+Rows: float; int8 (per-channel, and g32 = GGUF Q8_0's layout); int4 RTN at g32, g64, g128; GPTQ at g32
+and g64, and its variants at g32 (without act-order, without true-sequential = `parallel`, with a
+damping sweep, calibrated on Austen only); AWQ with and without its clipping search; AWQ then GPTQ;
+8da4w-g32 with RTN and GPTQ; rotated recipes (`-rot`, compile/quant/rotation.py). g128 does not
+divide SmolLM2's hidden size (576): that row is recorded as skipped with the reason. Each row: packed
+size (codes at their bit width, fp16 scales, zero points, float tensors at 2 bytes), perplexity on
+each held-out domain and its increase over float, the worst increase, KL to the float model and top-1
+agreement on `test`, the time quantization took; `goals` reads the issue's goals off the rows.
 
 Writes bench/results/quantize.json (--quick: quantize-quick.json).
 """
@@ -25,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import math
 import sys
@@ -36,32 +45,44 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, print_table, versions, write_results  # noqa: E402
 
-# Sized for ~20 minutes on a shared, busy 2-core machine at one thread (GPTQ / AWQ take about a
-# minute each on the reference model with 2048 calibration tokens there).
-FULL = dict(eval_tokens=4096, window=512, calib_blocks=8, calib_len=256, sensitivity_blocks=2, tiny_steps=300)
-QUICK = dict(eval_tokens=512, window=512, calib_blocks=2, calib_len=128, sensitivity_blocks=1, tiny_steps=30)
-FULL_RECIPES = ["int8", "int8-g32", "int4-g32", "int4-g64", "int4-g128", "int4-g32-sym", "int4-g64-sym",
-                "int4-g64-sym-emb4", "int4-gptq-g32", "int4-gptq-g64", "int4-gptq-g128", "int4-gptq-g64-sym",
-                "int4-awq-g32", "int4-awq-g64", "int4-awq-g128", "int4-awq-g64-sym",
-                "8da4w-g32", "8da4w-gptq-g32", "fp8", "mixed", "mixed-gptq"]
-QUICK_RECIPES = ["int8", "int4-g64-sym", "int4-gptq-g64-sym", "int4-awq-g64-sym", "8da4w-g32", "fp8"]
-MIXED_BUDGET, MIXED_LOW, MIXED_HIGH = "int4-g32-sym", "int4-g64-sym", "int8-g32"
-TINY_VOCAB = 4096
+# Sized for about an hour on a shared, busy 2-core machine at one thread (load average ~6 while this
+# ran: a 512-token forward of the reference model took 2-4 s, so evaluating one row on 4096 + 3 x 1024
+# tokens ~50 s, and GPTQ / AWQ on 16 x 256 calibration tokens ~2 minutes each). The grid is trimmed to
+# fit a working session: symmetric int4, g64 AWQ / AWQ+GPTQ and mixed precision are not run here.
+FULL = dict(eval_tokens=4096, heldout_tokens=1024, window=512, calib_blocks=16, calib_len=256)
+QUICK = dict(eval_tokens=512, heldout_tokens=256, window=256, calib_blocks=2, calib_len=128)
+HELDOUT = ("plays", "bible", "code")  # besides `test`
+DAMP_GRID = (0.01, 0.05, 0.2)
+# Row name -> (recipe it starts from, changes): the variants that have no recipe spelling of their own.
+VARIANTS = {
+    "int4-gptq-g32 parallel": ("int4-gptq-g32", {"gptq": {"true_sequential": False}}),
+    "int4-gptq-g32 damp-sweep": ("int4-gptq-g32", {"gptq": {"damp_grid": DAMP_GRID}}),
+    "int4-gptq-g32 calib=austen": ("int4-gptq-g32", {"calib": "calib"}),
+}
+FULL_RECIPES = ["int8", "int8-g32", "int4-g32", "int4-g64", "int4-g128",
+                "int4-gptq-g32", "int4-gptq-g64", "int4-gptq-noact-g32",
+                "int4-gptq-g32 parallel", "int4-gptq-g32 damp-sweep", "int4-gptq-g32 calib=austen",
+                "int4-awq-noclip-g32", "int4-awq-g32", "int4-awq-gptq-g32",
+                "8da4w-g32", "8da4w-gptq-g32",
+                "int4-g32-rot", "int4-gptq-g32-rot", "int4-awq-gptq-g32-rot", "8da4w-gptq-g32-rot"]
+STUDENT_RECIPES = ["int8", "int4-g32", "int4-gptq-g32", "int4-awq-g32", "int4-awq-gptq-g32", "int4-g32-rot",
+                   "int4-gptq-g32-rot"]
+QUICK_RECIPES = ["int8", "int4-g32", "int4-gptq-g32"]
 
 
 # ---- evaluation ------------------------------------------------------------------------------------------
 
 class Evaluator:
-    """Perplexity, KL and top-1 agreement in one pass per model, against cached float log-probs."""
+    """Perplexity, KL and top-1 agreement in one pass per model, against cached float log-probs
+    (kl=False: perplexity only, nothing cached but the float perplexity)."""
 
-    def __init__(self, float_model, ids: torch.Tensor, window: int):
-        self.ids, self.window = ids, window
+    def __init__(self, float_model, ids: torch.Tensor, window: int, kl: bool = True):
+        self.ids, self.window, self.kl = ids, window, kl
         self.windows = [ids[i: i + window] for i in range(0, ids.numel() - 1, window) if ids[i: i + window].numel() > 1]
-        self.ref: list[torch.Tensor] = []
         with torch.inference_mode():
-            for w in self.windows:
-                self.ref.append(float_model(w[None])[0].float().log_softmax(-1).half())  # [S, V]
-        self.float_ppl = self._ppl(self.ref)
+            logps = [float_model(w[None])[0].float().log_softmax(-1).half() for w in self.windows]  # [S, V]
+        self.float_ppl = self._ppl(logps)
+        self.ref = logps if kl else []
         self.tokens = sum(w.numel() - 1 for w in self.windows)
 
     def _ppl(self, logps: list[torch.Tensor]) -> float:
@@ -73,6 +94,10 @@ class Evaluator:
 
     @torch.inference_mode()
     def __call__(self, model) -> dict:
+        if not self.kl:
+            nll = sum(-model(w[None])[0, :-1].float().log_softmax(-1).gather(-1, w[1:, None]).sum().item()
+                      for w in self.windows)
+            return {"ppl": math.exp(nll / self.tokens)}
         nll, n, kl, agree, positions = 0.0, 0, 0.0, 0, 0
         for w, ref in zip(self.windows, self.ref):
             lp = model(w[None])[0].float().log_softmax(-1)  # [S, V]
@@ -88,101 +113,78 @@ class Evaluator:
 
 # ---- the never-quantized model ---------------------------------------------------------------------------
 
-def tiny_austen_model(tok, steps: int, threads: int):
-    """(model, id map) of a small Llama trained on Austen with a reduced SmolLM2 vocabulary; cached."""
-    from safetensors.torch import load_file, save_file
+def student_model(folder: Path, tok) -> tuple[object, dict]:
+    """The structured+distilled student of bench/compress.py: loaded from where that benchmark saves it,
+    or made here with its settings (structured pruning to half the parameters, then distillation)."""
+    from compress import FULL as COMPRESS, STRUCTURED
 
-    from edgefinfer.config import ModelConfig
-    from edgefinfer.data import cache_dir, load_text
-    from edgefinfer.model import Transformer
+    from edgefinfer.checkpoint import load_model, save_model
+    from edgefinfer.data import cache_dir
+    from edgefinfer.distill.pipeline import DistillOptions, distill_checkpoint
+    from edgefinfer.distill.trainer import TrainConfig
+    from edgefinfer.prune.calibration import calibration_blocks
+    from edgefinfer.prune.pipeline import PruneOptions, prune_model
 
-    config = ModelConfig(vocab_size=TINY_VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         tie_word_embeddings=True, rms_norm_eps=1e-5)
-    folder = cache_dir() / "bench" / f"quant-tiny-austen-{steps}"
-    train = torch.tensor(tok.encode(load_text("train")))
-    counts = torch.bincount(train, minlength=tok.vocab_size)
-    keep = counts.topk(TINY_VOCAB - 1).indices
-    id_map = torch.zeros(max(tok.vocab_size, int(train.max()) + 1), dtype=torch.long)  # 0 = UNK
-    id_map[keep] = torch.arange(1, TINY_VOCAB)
-    model = Transformer(config)
-    meta = {"steps": steps, "config": config.to_hf()}
-    if (folder / "model.safetensors").is_file() and json.loads((folder / "meta.json").read_text()) == meta:
-        model.load_state_dict(load_file(folder / "model.safetensors"), strict=False)
-        model.lm_head.weight = model.model.embed_tokens.weight
-        return model.eval(), id_map, json.loads((folder / "train.json").read_text())
-
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.02)
-    data = id_map[train]
-    seq, batch, lr = 128, 8, 2e-3
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
-    gen = torch.Generator().manual_seed(0)
-    t0, losses = time.perf_counter(), []
-    model.train()
-    for step in range(steps):
-        for group in opt.param_groups:  # linear warm-up, cosine decay
-            group["lr"] = lr * min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * step / steps))
-        starts = torch.randint(0, data.numel() - seq - 1, (batch,), generator=gen)
-        x = torch.stack([data[s: s + seq + 1] for s in starts])
-        logits = model(x[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, TINY_VOCAB), x[:, 1:].reshape(-1))
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        losses.append(loss.item())
-        if step % 50 == 0 or step == steps - 1:
-            print(f"  tiny model: step {step + 1}/{steps} loss {loss.item():.3f} ({time.perf_counter() - t0:.0f}s)",
-                  file=sys.stderr)
-    model.eval()
-    info = {"steps": steps, "batch": batch, "seq": seq, "train_tokens": steps * batch * seq,
-            "train_seconds": time.perf_counter() - t0, "final_loss": sum(losses[-20:]) / len(losses[-20:]),
-            "threads": threads, "parameters": sum(p.numel() for p in model.parameters())}
-    folder.mkdir(parents=True, exist_ok=True)
-    state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
-    save_file(state, folder / "model.safetensors")
-    (folder / "meta.json").write_text(json.dumps(meta))
-    (folder / "train.json").write_text(json.dumps(info))
-    return model, id_map, info
+    path = cache_dir() / "models" / "smollm2-135m-draft"
+    if (path / "config.json").is_file():
+        return load_model(path), {"path": str(path), "made_by": "bench/compress.py (cached)"}
+    t0 = time.perf_counter()
+    print("[student] not cached: structured pruning + distillation as bench/compress.py does (~10 min)",
+          file=sys.stderr)
+    calib = calibration_blocks(tok, COMPRESS["calib_blocks"], COMPRESS["calib_len"], seed=0)
+    student, _ = prune_model(load_model(folder), PruneOptions("structured", **STRUCTURED), calib, quiet=True)
+    work = cache_dir() / "bench" / "quantize-student"
+    save_model(student, work / "student-0", tokenizer_dir=folder)
+    steps, lr = COMPRESS["distill_steps"], COMPRESS["distill_lr"]
+    train = TrainConfig(steps=steps, batch_size=COMPRESS["distill_batch"], lr=lr, min_lr=lr / 10,
+                        warmup_steps=max(1, steps // 10), log_every=max(1, steps // 10), checkpoint_every=steps)
+    opts = DistillOptions(train, student=str(work / "student-0"), params=None, block_len=COMPRESS["distill_len"],
+                          top_k=COMPRESS["top_k"], eval_tokens=0, device="cpu")
+    distill_checkpoint(folder, work / "distill", opts)
+    model = load_model(work / "distill" / "model")
+    save_model(model, path, tokenizer_dir=folder)
+    return model, {"path": str(path), "made_by": "bench/quantize.py with bench/compress.py's settings",
+                   "minutes": round((time.perf_counter() - t0) / 60, 1)}
 
 
 # ---- one model's table -----------------------------------------------------------------------------------
 
-def bench_model(label: str, model, test_ids, calib, names: list[str], opts: dict, rows: list[dict]) -> dict:
-    from edgefinfer.compile.quant import mixed
-    from edgefinfer.compile.quant.apply import plan_formats, quantize_model
+def make_recipe(name: str):
+    """(recipe, calibration split) of a row name: a recipe spelling, or one of VARIANTS."""
     from edgefinfer.compile.quant.recipe import parse_recipe
+
+    base, changes = VARIANTS.get(name, (name, {}))
+    recipe = parse_recipe(base)
+    if "gptq" in changes:
+        recipe = recipe.replace(gptq=dataclasses.replace(recipe.gptq, **changes["gptq"]))
+    return recipe.replace(name=name), changes.get("calib", "calib-mix")
+
+
+def bench_model(label: str, model, domains: dict, calib: dict, names: list[str], opts: dict, rows: list[dict]) -> dict:
+    from edgefinfer.compile.quant.apply import plan_formats, quantize_model
     from edgefinfer.compile.quant.report import float_size_bytes
     from edgefinfer.errors import UserError
 
     t0 = time.perf_counter()
-    evaluate = Evaluator(model, test_ids, opts["window"])
+    evaluators = {d: Evaluator(model, ids, opts["window"], kl=d == "test") for d, ids in domains.items()}
+    float_ppl = {d: e.float_ppl for d, e in evaluators.items()}
     float_bytes = float_size_bytes(model)
-    base = {"test_ppl": evaluate.float_ppl, "kl_to_float": 0.0, "top1_agreement": 1.0, "eval_tokens": evaluate.tokens}
-    rows.append({"model": label, "recipe": "float", "size_bytes": float_bytes, "size_pct_fp16": 100.0, **base,
-                 "quantize_s": 0.0})
-    print(f"[{label}] float test ppl {evaluate.float_ppl:.3f} ({time.perf_counter() - t0:.0f}s)", file=sys.stderr)
-    allocation = None
+    test = evaluators["test"]
+    rows.append({"model": label, "recipe": "float", "size_bytes": float_bytes, "size_pct_fp16": 100.0,
+                 "test_ppl": test.float_ppl, "kl_to_float": 0.0, "top1_agreement": 1.0, "eval_tokens": test.tokens,
+                 "heldout_ppl": float_ppl, "heldout_increase_pct": {d: 0.0 for d in domains},
+                 "worst_increase_pct": 0.0, "quantize_s": 0.0})
+    print(f"[{label}] float ppl " + ", ".join(f"{d} {p:.2f}" for d, p in float_ppl.items())
+          + f" ({time.perf_counter() - t0:.0f}s)", file=sys.stderr)
     for name in names:
         t = time.perf_counter()
-        row = {"model": label, "recipe": name}
+        row: dict = {"model": label, "recipe": name}
         try:
-            if name.startswith("mixed"):
-                if allocation is None:
-                    allocation = _allocate(model, calib[: opts["sensitivity_blocks"]], mixed)
-                low = parse_recipe(MIXED_LOW if name == "mixed" else MIXED_LOW.replace("int4-", "int4-gptq-"))
-                recipe = mixed.mixed_recipe(low, allocation, f"{name}({MIXED_LOW}+{MIXED_HIGH}@{MIXED_BUDGET})")
-                row["recipe"] = recipe.name
-                row["int8_units"] = sum(v.startswith("int8") for v in allocation.choice.values())
-            else:
-                recipe = parse_recipe(name)
+            recipe, calib_split = make_recipe(name)
             q = copy.deepcopy(model)
             plan_formats(q, recipe)
-            result = quantize_model(q, recipe, calib if recipe.method != "rtn" else None)
+            blocks = calib[calib_split] if recipe.method != "rtn" else None
+            result = quantize_model(q, recipe, blocks)
         except UserError as e:
             row.update(size_bytes=None, test_ppl=None, skipped=str(e))
             rows.append(row)
@@ -190,28 +192,41 @@ def bench_model(label: str, model, test_ids, calib, names: list[str], opts: dict
             continue
         quant_s = time.perf_counter() - t
         row.update(size_bytes=result.size_bytes, size_pct_fp16=100 * result.size_bytes / float_bytes,
-                   **evaluate(q), quantize_s=quant_s)
-        row["ppl_increase_pct"] = 100 * (row["test_ppl"] / evaluate.float_ppl - 1)
+                   **test(q), quantize_s=quant_s)
+        row["ppl_increase_pct"] = 100 * (row["test_ppl"] / test.float_ppl - 1)
+        ppl = {"test": row["test_ppl"], **{d: e(q)["ppl"] for d, e in evaluators.items() if d != "test"}}
+        row["heldout_ppl"] = ppl
+        row["heldout_increase_pct"] = {d: 100 * (p / float_ppl[d] - 1) for d, p in ppl.items()}
+        row["worst_increase_pct"] = max(row["heldout_increase_pct"].values())
+        row["calibration"] = None if recipe.method == "rtn" else calib_split
+        row["head"] = result.head_method
+        if result.gptq_damp and recipe.gptq.damp_grid:
+            chosen = list(result.gptq_damp.values())
+            row["damp_chosen"] = {str(d): chosen.count(d) for d in recipe.gptq.damp_grid}
         rows.append(row)
-        print(f"[{label}] {row['recipe']}: ppl {row['test_ppl']:.3f} ({row['ppl_increase_pct']:+.2f}%), "
-              f"{row['size_bytes'] / 1e6:.2f} MB, quantize {quant_s:.0f}s, total {time.perf_counter() - t:.0f}s",
+        print(f"[{label}] {name}: " + ", ".join(f"{d} {v:+.2f}%" for d, v in row["heldout_increase_pct"].items())
+              + f"; {row['size_bytes'] / 1e6:.2f} MB, quantize {quant_s:.0f}s, total {time.perf_counter() - t:.0f}s",
               file=sys.stderr)
         del q
-    return {"float_test_ppl": evaluate.float_ppl, "float_size_bytes": float_bytes,
+    return {"float_test_ppl": test.float_ppl, "float_heldout_ppl": float_ppl, "float_size_bytes": float_bytes,
             "seconds": time.perf_counter() - t0}
 
 
-def _allocate(model, blocks, mixed):
-    from edgefinfer.compile.quant.recipe import parse_recipe
-
-    low, high = parse_recipe(MIXED_LOW), parse_recipe(MIXED_HIGH).weights
-    unit = "layer" if len(model.model.layers) > 8 else "linear"  # 30-layer model: 30 units, not 210
-    units = mixed.measure_sensitivity(model, blocks, [low.weights, high], unit)
-    fixed = mixed.uniform_size(model, low) - sum(u.bytes[low.weights.label()] for u in units)
-    budget = mixed.uniform_size(model, parse_recipe(MIXED_BUDGET))
-    allocation = mixed.allocate(units, [low.weights, high], budget_bytes=budget - fixed)
-    print(mixed.sensitivity_table(units, allocation), file=sys.stderr)
-    return allocation
+def goals(rows: list[dict], label: str) -> dict:
+    """The issue's goals, read off one model's rows (worst held-out domain throughout)."""
+    done = {r["recipe"]: r for r in rows if r["model"] == label and r.get("worst_increase_pct") is not None}
+    worst = lambda name: done[name]["worst_increase_pct"] if name in done else None  # noqa: E731
+    four_bit = [n for n, r in done.items() if ("int4" in n or "8da4w" in n) and ("g32" in n or "g64" in n)]
+    best = min(four_bit, key=worst, default=None)
+    pairs = {"rtn": ("int4-g32", "int4-g32-rot"), "gptq": ("int4-gptq-g32", "int4-gptq-g32-rot")}
+    return {
+        "best_4bit": {"recipe": best, "worst_increase_pct": worst(best) if best else None, "goal_pct": 3.0},
+        "int8": {"worst_increase_pct": worst("int8"), "goal_pct": 0.5},
+        "awq_minus_gptq_g32_pct": (worst("int4-awq-g32") - worst("int4-gptq-g32"))
+        if worst("int4-awq-g32") is not None and worst("int4-gptq-g32") is not None else None,
+        "rotation_gain_pct": {m: (worst(a) - worst(b)) if worst(a) is not None and worst(b) is not None else None
+                              for m, (a, b) in pairs.items()},
+    }
 
 
 # ---- main ------------------------------------------------------------------------------------------------
@@ -220,11 +235,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="A run of about a minute (fewer rows and tokens).")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1).")
-    parser.add_argument("--skip-tiny", action="store_true", help="Only the reference model.")
+    parser.add_argument("--skip-student", action="store_true", help="Only the reference model.")
+    parser.add_argument("--only", help="Comma-separated rows to run (a look at a few; not for committed results).")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     opts = QUICK if args.quick else FULL
-    names = QUICK_RECIPES if args.quick else FULL_RECIPES
+    names = args.only.split(",") if args.only else QUICK_RECIPES if args.quick else FULL_RECIPES
 
     from edgefinfer.checkpoint import load_model
     from edgefinfer.data import load_text, token_blocks
@@ -234,32 +250,50 @@ def main() -> None:
     t0 = time.perf_counter()
     folder = pull("smollm2-135m")
     tok = Tokenizer.from_dir(folder)
-    test_ids = torch.tensor(tok.encode(load_text("test"))[: opts["eval_tokens"]])
-    calib = token_blocks(tok.encode(load_text("calib")), opts["calib_len"], opts["calib_blocks"], seed=0)
-    rows: list[dict] = []
-    models = {"smollm2-135m": bench_model("smollm2-135m", load_model(folder), test_ids, calib, names, opts, rows)}
-    if not args.skip_tiny:
-        tiny, id_map, train_info = tiny_austen_model(tok, opts["tiny_steps"], args.threads)
-        models["tiny-austen"] = bench_model("tiny-austen", tiny, id_map[test_ids], id_map[calib], names, opts, rows)
-        models["tiny-austen"]["training"] = train_info
+    def first_tokens(split: str, n: int) -> torch.Tensor:  # tokenize a prefix, not a 2.5M-char split
+        ids = tok.encode(load_text(split)[: n * 12])[:n]
+        assert len(ids) == n, f"{split}: {n * 12} chars gave fewer than {n} tokens"
+        return torch.tensor(ids)
 
-    ref = models["smollm2-135m"]
+    domains = {"test": first_tokens("test", opts["eval_tokens"]),
+               **{d: first_tokens(d, opts["heldout_tokens"]) for d in HELDOUT}}
+    calib = {split: token_blocks(tok.encode(load_text(split)), opts["calib_len"], opts["calib_blocks"], seed=0)
+             for split in ("calib-mix", "calib")}
+    rows: list[dict] = []
+    models: dict = {}
+
+    def save() -> Path:  # after each model, so a failure later keeps what was measured
+        payload.update(float_test_ppl=models["smollm2-135m"]["float_test_ppl"],
+                       float_size_bytes=models["smollm2-135m"]["float_size_bytes"],
+                       goals={label: goals(rows, label) for label in models}, wall_seconds=time.perf_counter() - t0)
+        return write_results("quantize", payload, quick=args.quick or bool(args.only))
+
     payload = {
-        "benchmark": "quantize", "quick": args.quick,
-        "float_test_ppl": ref["float_test_ppl"], "float_size_bytes": ref["float_size_bytes"],
-        "models": models, "rows": rows,
-        "settings": {**opts, "eval": f"disjoint windows of {opts['window']} over the first {opts['eval_tokens']} "
-                                      "test tokens", "calibration": f"{opts['calib_blocks']} x {opts['calib_len']} "
-                                      "tokens of the calib split (seed 0)",
-                     "mixed": f"{MIXED_LOW} + {MIXED_HIGH} under the size of uniform {MIXED_BUDGET}"},
+        "benchmark": "quantize", "quick": args.quick, "only": args.only, "float_test_ppl": None,
+        "float_size_bytes": None, "models": models, "rows": rows, "goals": {},
+        "settings": {**opts, "eval": f"disjoint windows of {opts['window']} tokens over the first {opts['eval_tokens']} "
+                                      f"test tokens and the first {opts['heldout_tokens']} of each of "
+                                      f"{', '.join(HELDOUT)}",
+                     "calibration": f"{opts['calib_blocks']} x {opts['calib_len']} tokens of the calib-mix split "
+                                    "(seed 0); the calib=austen row: the same of the calib split",
+                     "damp_grid": DAMP_GRID},
         "machine": machine(), "threads": torch.get_num_threads(),
         "versions": versions("torchao", "numpy", "safetensors", "gguf", "onnxruntime"),
-        "wall_seconds": time.perf_counter() - t0,
     }
-    path = write_results("quantize", payload, quick=args.quick)
-    cols = ["model", "recipe", "size_bytes", "size_pct_fp16", "test_ppl", "ppl_increase_pct", "kl_to_float",
-            "top1_agreement", "quantize_s", "skipped"]
-    print_table([{**r, "skipped": (r.get("skipped") or "")[:40] or None} for r in rows], cols)
+    models["smollm2-135m"] = bench_model("smollm2-135m", load_model(folder), domains, calib, names, opts, rows)
+    path = save()
+    if not args.skip_student and not args.quick:
+        student, provenance = student_model(folder, tok)
+        student_names = [n for n in STUDENT_RECIPES if not args.only or n in names]
+        models["student"] = bench_model("student", student, domains, calib, student_names, opts, rows)
+        models["student"].update(provenance, parameters=sum(p.numel() for p in student.parameters()))
+        path = save()
+    table = [{**r, "skipped": (r.get("skipped") or "")[:40] or None,
+              **{f"{d}_%": (r.get("heldout_increase_pct") or {}).get(d) for d in domains}} for r in rows]
+    print_table(table, ["model", "recipe", "size_bytes", "size_pct_fp16", "test_ppl", *[f"{d}_%" for d in domains],
+                        "worst_increase_pct", "kl_to_float", "top1_agreement", "quantize_s", "skipped"])
+    for label, g in payload["goals"].items():
+        print(f"[{label}] goals: {json.dumps(g)}")
     print(f"wrote {path} in {payload['wall_seconds']:.0f}s")
 
 
