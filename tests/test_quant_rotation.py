@@ -193,14 +193,21 @@ def test_rotated_model_exports_to_onnx(tmp_path, recipe):
 
 @pytest.mark.reference
 def test_rotated_reference_model_computes_the_same_logits(smollm2_dir):
+    """In float64 the rotated model's logits are within 1e-4 of the original's (measured 2.3e-5: our
+    RMSNorm normalises in float32 even in a float64 model). In float32 both sit about 1e-4 from the
+    float64 logits (max |logit| 39): the rotation adds no error beyond float32's own rounding."""
     from edgefinfer.checkpoint import load_model
     from edgefinfer.data import load_text
     from edgefinfer.tokenizer import Tokenizer
 
     model = load_model(smollm2_dir)
     ids = torch.tensor([Tokenizer.from_dir(smollm2_dir).encode(load_text("test"))[:128]])
+    want32 = logits(model, ids).double()
+    model = model.double()
     want = logits(model, ids)
     report = rotate_model(model)
     assert report.residual == "hadamard walsh 16 x paley-II 36 (q=17)" and report.untied
-    got = logits(model, ids)
-    assert (got - want).abs().max() < 1e-4, (got - want).abs().max()
+    assert report.extra_parameters == 49152 * 576
+    assert (logits(model, ids) - want).abs().max() < 1e-4
+    got32 = logits(model.float(), ids).double()
+    assert (got32 - want).abs().max() < 1.5 * (want32 - want).abs().max()  # measured 1.04e-4 vs 1.05e-4

@@ -33,6 +33,16 @@ i.e. be a scalar, and scaling the residual stream per channel breaks RMSNorm's i
 
 Not done: SpinQuant's online Hadamards (R3 on Q/K after RoPE, R4 before down_proj) need a runtime op
 in every exporter's graph; the learned (Cayley-SGD) rotations need training.
+
+What it buys depends on the model (bench/rotation.py). On SmolLM2-135M it helps GPTQ at g64-sym
+(test ppl +11.8% -> +9.4%) but makes round-to-nearest much worse (int4-g32 +19% -> +42%), for two
+measured reasons: its weights are dequantized Q4_1 (12 distinct values per group of 32), a grid any
+mixing of weights destroys (R2 alone, which folds nothing, costs 7% at int4-g64-sym RTN); and folding
+the norm gains is costly: they span 0.0002..0.35 within one norm, and the normalised residual carries
+one massive channel (507, ~23x the RMS on almost every token) that the gains attenuate before the
+weights see it, but that meets the full weight error once they are folded (folding alone, without a
+rotation: 37 -> 56 ppl; keeping channel 507's gain unfolded: 46). A rotation cannot undo that; GPTQ,
+which places the error away from the dominant input direction, can.
 """
 
 from __future__ import annotations
