@@ -58,6 +58,9 @@ VARIANTS = {
     "int4-gptq-g32 parallel": ("int4-gptq-g32", {"gptq": {"true_sequential": False}}),
     "int4-gptq-g32 damp-sweep": ("int4-gptq-g32", {"gptq": {"damp_grid": DAMP_GRID}}),
     "int4-gptq-g32 calib=austen": ("int4-gptq-g32", {"calib": "calib"}),
+    # Not in the committed grid (time): combinations to try with --only.
+    "int4-awq-gptq-g32 damp-sweep": ("int4-awq-gptq-g32", {"gptq": {"damp_grid": DAMP_GRID}}),
+    "int4-gptq-g32-rot damp-sweep": ("int4-gptq-g32-rot", {"gptq": {"damp_grid": DAMP_GRID}}),
 }
 FULL_RECIPES = ["int8", "int8-g32", "int4-g32", "int4-g64", "int4-g128",
                 "int4-gptq-g32", "int4-gptq-g64", "int4-gptq-noact-g32",
