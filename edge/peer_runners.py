@@ -64,12 +64,15 @@ def check_bundle(bundle: str | Path, max_new_tokens: int = 32) -> list[PeerRow]:
 # ---- edgefinfer's side -----------------------------------------------------------------------------
 
 def edgefinfer_greedy(bundle: Path, prompt: str, max_new_tokens: int) -> tuple[list[int], list[int], str]:
-    """(prompt ids, generated ids, text) of `edgefinfer run` with greedy decoding."""
+    """(prompt ids, generated ids, text) of `edgefinfer run` with greedy decoding; the ids end with the
+    stop token when one ended the generation (edgefinfer does not print it; the peers' loops see it)."""
     from edgefinfer.runtime.engine import Engine
 
     engine = Engine.load(bundle)
-    result = engine.generate(prompt, max_tokens=max_new_tokens)
-    return engine.tokenizer.encode(prompt), list(result.token_ids), result.text
+    stops: list[int] = []
+    result = engine.generate(prompt, max_tokens=max_new_tokens,
+                             on_token=lambda t: stops.append(t) if t in engine.eos_ids else None)
+    return engine.tokenizer.encode(prompt), list(result.token_ids) + stops[:1], result.text
 
 
 def _chat_prompt(bundle: Path) -> str:
@@ -159,7 +162,9 @@ def _check_executorch(bundle: Path, target: str, pte: Path, n: int) -> list[Peer
     for name, prompt in _prompts(bundle).items():
         prompt_ids, ids, text = edgefinfer_greedy(bundle, prompt, n)
         printed, n_prompt = executorch_runner_text(pte, bundle / "tokenizer.json", prompt, n)
-        rows.append(PeerRow(target, "executorch TextLLMRunner", name, printed == runner_printed_bytes(tokenizer, ids),
+        # After a stop token TextLLMRunner prints that token's text and a newline.
+        expected = runner_printed_bytes(tokenizer, ids) + (b"\n" if ids and ids[-1] in _stop_ids(bundle) else b"")
+        rows.append(PeerRow(target, "executorch TextLLMRunner", name, printed == expected,
                             n_prompt == len(prompt_ids) and encode(prompt) == prompt_ids and probes[0] == probes[1],
                             text, printed.decode("utf-8", "replace"),
                             f"{len(ids)} tokens; prompt {n_prompt} tokens; probe strings {probes[0]}/{probes[1]}"))
@@ -203,19 +208,33 @@ def _check_genai(bundle: Path, target: str, model: Path, n: int) -> list[PeerRow
     for name, prompt in _prompts(bundle).items():
         prompt_ids, ids, text = edgefinfer_greedy(bundle, prompt, n)
         their_prompt, theirs = genai_greedy(bundle, prompt, n)
-        theirs = _until_eos(theirs, tokenizer)
-        rows.append(PeerRow(target, "onnxruntime-genai Generator", name, theirs == ids,
+        stops = _stop_ids(bundle)  # genai's sequence leaves out the stop token that ended it
+        theirs = _until_stop(theirs, stops)
+        same = _without_stop(theirs, stops) == _without_stop(ids, stops)
+        rows.append(PeerRow(target, "onnxruntime-genai Generator", name, same,
                             their_prompt == prompt_ids and probes[0] == probes[1], text, tokenizer.decode(theirs),
                             f"{len(ids)} vs {len(theirs)} tokens; probe strings {probes[0]}/{probes[1]}"))
     return rows
 
 
-def _until_eos(ids: list[int], tokenizer) -> list[int]:
-    """A peer's generated ids without the stop token and what follows (edgefinfer reports them so)."""
-    stops = {tokenizer.eos_id, tokenizer.token_id("<|endoftext|>")} - {None}
+def _stop_ids(bundle: Path) -> set[int]:
+    from edgefinfer.bundle import load_manifest
+    from edgefinfer.runtime.engine import _eos_ids
+    from edgefinfer.tokenizer import Tokenizer
+
+    eos = Tokenizer.from_dir(bundle).eos_id
+    return set(_eos_ids(load_manifest(bundle, verify=False).model.get("config", {}))) | ({eos} - {None})
+
+
+def _without_stop(ids: list[int], stops: set[int]) -> list[int]:
+    return ids[:-1] if ids and ids[-1] in stops else ids
+
+
+def _until_stop(ids: list[int], stops: set[int]) -> list[int]:
+    """A peer's generated ids up to and including the first stop token."""
     for i, t in enumerate(ids):
         if t in stops:
-            return ids[:i]
+            return ids[:i + 1]
     return ids
 
 
@@ -239,14 +258,14 @@ def llamacpp_chat_prompt(llm, messages: list[dict[str, str]]) -> str:
     return Jinja2ChatFormatter(template, eos_token=eos, bos_token=bos)(messages=messages).prompt
 
 
-def llamacpp_greedy(llm, prompt: str, max_new_tokens: int) -> tuple[list[int], list[int]]:
-    """(prompt ids, generated ids) of llama-cpp-python's own generation loop at temperature 0."""
+def llamacpp_greedy(llm, prompt: str, max_new_tokens: int, stops: set[int]) -> tuple[list[int], list[int]]:
+    """(prompt ids, generated ids up to a stop token) of llama-cpp-python's own generation loop, temperature 0."""
     prompt_ids = llm.tokenize(prompt.encode(), add_bos=False, special=True)
     out: list[int] = []
     for token in llm.generate(prompt_ids, temp=0.0, top_k=1):
-        if llm.token_eos() == token or len(out) >= max_new_tokens:
-            break
         out.append(token)
+        if token in stops or len(out) >= max_new_tokens:
+            break
     return prompt_ids, out
 
 
@@ -256,13 +275,14 @@ def _check_llamacpp(bundle: Path, target: str, gguf: Path, n: int) -> list[PeerR
     from edgefinfer.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_dir(bundle)
-    llm = Llama(str(gguf), n_ctx=512, n_threads=1, verbose=False)
+    # The context edgefinfer's llama.cpp backend opens (2048 cells, F32 KV, 512-token batches): with
+    # llama.cpp's default F16 KV the two would not compute the same logits, and greedy ties could differ.
+    llm = Llama(str(gguf), n_ctx=2048, n_batch=512, type_k=0, type_v=0, n_threads=1, verbose=False)
     probes = _probe_agreement(lambda t: llm.tokenize(t.encode(), add_bos=False, special=True), tokenizer)
     rows = []
     for name, prompt in _prompts(bundle).items():
         prompt_ids, ids, text = edgefinfer_greedy(bundle, prompt, n)
-        their_prompt, theirs = llamacpp_greedy(llm, prompt, n)
-        theirs = _until_eos(theirs, tokenizer)
+        their_prompt, theirs = llamacpp_greedy(llm, prompt, n, _stop_ids(bundle))
         template_ok = True
         if name == "chat":  # the prompt as llama.cpp's side renders the GGUF's own template
             messages = [{"role": "user", "content": CHAT_QUESTION}]
@@ -290,7 +310,12 @@ def _check_qnn(bundle: Path, target: str, model: Path, n: int) -> list[PeerRow]:
     rows = []
     for name, prompt in _prompts(bundle).items():
         htp, cpu = (engines[ep].generate(prompt, max_tokens=n) for ep in ("qnn", "cpu"))
+        # Not bit-exact by construction: the HTP computes the QDQ graph in fixed point, the CPU EP in
+        # float; the row says where greedy decoding first parts, if it does.
+        first = next((i for i, (a, b) in enumerate(zip(htp.token_ids, cpu.token_ids)) if a != b), None)
         rows.append(PeerRow(target, "onnxruntime QNN EP (HTP emulator) vs CPU EP", name,
                             htp.token_ids == cpu.token_ids, True, cpu.text, htp.text,
-                            f"{len(cpu.token_ids)} vs {len(htp.token_ids)} tokens; both sides tokenize with tokenizers"))
+                            f"{len(cpu.token_ids)} vs {len(htp.token_ids)} tokens"
+                            + (f"; first different token at {first}" if first is not None else "")
+                            + "; both sides tokenize with tokenizers"))
     return rows
