@@ -218,23 +218,26 @@ def test_prefix_sharing_between_live_sequences_is_exact():
 
     def run(prompts, params):
         outs = {i: [] for i in range(len(prompts))}
-        done = threading.Semaphore(0)
-        for i, p in enumerate(prompts):
+        done, started = threading.Semaphore(0), threading.Event()
+        for i, (p, par) in enumerate(zip(prompts, params)):
             def sink(out, i=i):
                 outs[i].extend(t for d in out.deltas for t in d.token_ids)
+                started.set()
                 if out.finished:
                     done.release()
-            engine.submit(f"r{time.monotonic_ns()}-{i}", p, params, sink)
-            time.sleep(0.3 * (i == 0))  # let A compute its prompt first
+            engine.submit(f"r{time.monotonic_ns()}-{i}", p, par, sink)
+            # A's prompt is in the cache once A streams; B then arrives while A still runs (a fixed
+            # sleep raced A's whole life on a fast idle machine: A was done and its blocks freed).
+            assert i > 0 or started.wait(timeout=120)
         for _ in prompts:
             assert done.acquire(timeout=120)
         return outs
 
     engine.start()
     try:
-        alone_b = run([b], GenerationParams(max_tokens=12))[0]
+        alone_b = run([b], [GenerationParams(max_tokens=12)])[0]
         hits_before = engine.manager.stats().prefix_hits
-        both = run([a, b], GenerationParams(max_tokens=12))
+        both = run([a, b], [GenerationParams(max_tokens=96, ignore_eos=True), GenerationParams(max_tokens=12)])
         assert engine.manager.stats().prefix_hits - hits_before >= 32
         assert both[1] == alone_b
     finally:
@@ -281,17 +284,18 @@ def test_unified_kv_pool_shares_prefix_cells_and_frees_everything():
                                           kv_cells=1024, prefill_chunk=16, max_num_batched_tokens=64))
     tok = engine.tokenizer
     prefix = tok.encode("A long shared preamble about lighthouses and the sea. " * 3)[:40]
-    done, finishes = threading.Semaphore(0), []
+    done, finishes, streaming = threading.Semaphore(0), [], threading.Event()
 
     def sink(out):
         finishes.extend(d.finish_reason for d in out.deltas if d.finish_reason)
+        streaming.set()
         if out.finished:
             done.release()
 
     engine.start()
     try:
-        engine.submit("u0", prefix + tok.encode(" One"), GenerationParams(max_tokens=24, ignore_eos=True), sink)
-        time.sleep(0.5)
+        engine.submit("u0", prefix + tok.encode(" One"), GenerationParams(max_tokens=96, ignore_eos=True), sink)
+        assert streaming.wait(timeout=120)  # u0's prompt is cached and u0 still runs when u1 arrives
         engine.submit("u1", prefix + tok.encode(" Two"), GenerationParams(max_tokens=8, n=2, ignore_eos=True), sink)
         assert done.acquire(timeout=120) and done.acquire(timeout=120)
         assert finishes == ["length"] * 3
