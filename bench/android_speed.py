@@ -1,0 +1,79 @@
+"""Decode speed of the android default bundle against onnxruntime-genai's int4, interleaved rounds.
+
+    python bench/android_speed.py [--bundle dist/android] [--rounds 3] [--threads 1]
+
+Issue 12 keeps a speed floor under the quality-first android default: its decode speed must stay at or
+above onnxruntime-genai's int4 (the fastest peer in bench/runtime.py). Identical runs of one .pte
+differed 1.5x on the shared build box, so each round measures both engines back to back (each in its
+own process, bench/runtime.py's child) and the result is the median and spread of the per-round
+ratios, not one figure per engine. The bundle is built with `edgefinfer build --target android` if
+missing (a program-cache hit when it was built before). Writes bench/results/android_speed.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import machine, print_table, versions, write_results  # noqa: E402
+from runtime import measure  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--bundle", default="dist/android")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--tokens", type=int, default=64)
+    args = ap.parse_args()
+    from edgefinfer import reference
+    from edgefinfer.bundle import load_manifest
+    from edgefinfer.data import cache_dir, load_text
+    from edgefinfer.tokenizer import Tokenizer
+    from onnx_vs_genai import build_genai
+
+    folder = reference.pull("smollm2-135m")
+    bundle = Path(args.bundle)
+    if not (bundle / "manifest.json").is_file():
+        subprocess.run([sys.executable, "-m", "edgefinfer.cli", "build", "--target", "android", "-o", str(bundle)],
+                       check=True)
+    manifest = load_manifest(bundle)
+    pte, recipe = bundle / manifest.artefact("model").path, manifest.artefact("model").recipe
+    work = cache_dir() / "bench" / "runtime"
+    genai = work / "genai-int4"
+    if not (genai / "genai_config.json").is_file():
+        print("[android_speed] building onnxruntime-genai int4 ...", file=sys.stderr, flush=True)
+        build_genai(folder, genai, 32, work / "genai-cache")
+    prompt_file = work / "prompt-android-speed.json"
+    prompt_file.parent.mkdir(parents=True, exist_ok=True)
+    prompt_file.write_text(json.dumps(Tokenizer.from_dir(folder).encode(load_text("test"))[:128]))
+
+    rounds = []
+    for i in range(args.rounds):
+        ours = measure("ours", "executorch", pte, prompt_file, args.tokens, args.threads)
+        peer = measure("genai", "onnxruntime", genai, prompt_file, args.tokens, args.threads)
+        rounds.append({"round": i, "ours_decode_tok_s": ours["decode_tok_s"], "genai_decode_tok_s": peer["decode_tok_s"],
+                       "ratio": ours["decode_tok_s"] / peer["decode_tok_s"]})
+        print(f"[android_speed] round {i}: {recipe} {ours['decode_tok_s']:.1f} tok/s vs genai int4 "
+              f"{peer['decode_tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
+    ratios = [r["ratio"] for r in rounds]
+    summary = {"recipe": recipe, "median_ratio": statistics.median(ratios), "min_ratio": min(ratios),
+               "max_ratio": max(ratios), "ours_median_tok_s": statistics.median(r["ours_decode_tok_s"] for r in rounds),
+               "genai_median_tok_s": statistics.median(r["genai_decode_tok_s"] for r in rounds)}
+    print_table(rounds, ["round", "ours_decode_tok_s", "genai_decode_tok_s", "ratio"])
+    print(f"\n{recipe} .pte vs onnxruntime-genai int4: median ratio {summary['median_ratio']:.2f}x "
+          f"(range {summary['min_ratio']:.2f}-{summary['max_ratio']:.2f}, {args.rounds} rounds, {args.threads} thread)")
+    path = write_results("android_speed", {**summary, "rounds": rounds, "threads": args.threads,
+                                           "prompt_tokens": 128, "decode_tokens": args.tokens,
+                                           "machine": machine(),
+                                           "versions": versions("executorch", "onnxruntime-genai")})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
