@@ -229,11 +229,13 @@ def test_quality_budget_on_the_reference_model(tmp_path, smollm2_dir):
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
 def test_interrupted_build_leaves_no_bundle_and_rerun_succeeds(tmp_path, smollm2_dir, sig):
     dest = tmp_path / "dist" / "gpu"
-    # Our own GGUF writer (Q8_0): its compile step lasts seconds, so the signal lands inside it; the
-    # default (llama.cpp's quantizer) can finish the whole build before a loaded test reads the line.
+    # Our own GGUF writer (Q8_0): its compile step lasts seconds, so the signal lands inside it.
     args = [sys.executable, "-m", "edgefinfer.cli", "build", "--target", "gpu-server", "--model", str(smollm2_dir),
             "-o", str(dest), "--eval-tokens", "256", "--recipe", "int8-g32-emb8"]
-    proc = subprocess.Popen(args, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    # A test run started in the background (`cmd &`) inherits SIGINT ignored, and Python then installs
+    # no KeyboardInterrupt handler: give the build the disposition a terminal would.
+    proc = subprocess.Popen(args, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     for line in proc.stderr:  # wait until the bundle's temporary folder is being filled
         if line.startswith("[build 4/5]"):
             break
