@@ -217,8 +217,13 @@ def _runner_tokenizer(tokenizer, dialect: str, test_ids: list[int]):
 
     from edgefinfer.compile.runner_tokenizer import runner_tokenizer
 
-    sample = tokenizer.decode(test_ids[:1024], skip_special_tokens=False).split("\n\n")
+    sample = _sample_texts(tokenizer, test_ids)
     return tokenizer.with_backend_json(runner_tokenizer(json.loads(tokenizer.backend.to_str()), dialect, sample))
+
+
+def _sample_texts(tokenizer, test_ids: list[int]) -> list[str]:
+    """Paragraphs of the test text (as far as the evaluation loaded it) for the tokenizer checks."""
+    return tokenizer.decode(test_ids[:1024], skip_special_tokens=False).split("\n\n")
 
 
 def _check_genai_tokenizer(folder: Path, source, shipped, test_ids: list[int]) -> None:
@@ -226,7 +231,7 @@ def _check_genai_tokenizer(folder: Path, source, shipped, test_ids: list[int]) -
 
     from edgefinfer.compile.runner_tokenizer import check_runner, genai_encoder
 
-    sample = source.decode(test_ids[:1024], skip_special_tokens=False).split("\n\n")
+    sample = _sample_texts(source, test_ids)
     check_runner(json.loads(source.backend.to_str()), json.loads(shipped.backend.to_str()),
                  {"onnxruntime-genai": genai_encoder(folder)}, sample)
 

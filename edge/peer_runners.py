@@ -75,18 +75,10 @@ def edgefinfer_greedy(bundle: Path, prompt: str, max_new_tokens: int) -> tuple[l
     return engine.tokenizer.encode(prompt), list(result.token_ids) + stops[:1], result.text
 
 
-def _chat_prompt(bundle: Path) -> str:
-    from edgefinfer.tokenizer import Tokenizer
-
-    return Tokenizer.from_dir(bundle).apply_chat_template([{"role": "user", "content": CHAT_QUESTION}])
-
-
-def _prompts(bundle: Path) -> dict[str, str]:
-    from edgefinfer.tokenizer import Tokenizer
-
+def _prompts(tokenizer) -> dict[str, str]:
     prompts = {"plain": PLAIN_PROMPT}
-    if Tokenizer.from_dir(bundle).chat_template:
-        prompts["chat"] = _chat_prompt(bundle)
+    if tokenizer.chat_template:
+        prompts["chat"] = tokenizer.apply_chat_template([{"role": "user", "content": CHAT_QUESTION}])
     return prompts
 
 
@@ -158,12 +150,13 @@ def _check_executorch(bundle: Path, target: str, pte: Path, n: int) -> list[Peer
     cpp = load_runner_tokenizer(bundle / "tokenizer.json")
     encode = lambda text: list(cpp.encode(text, 0, 0))  # noqa: E731
     probes = _probe_agreement(encode, tokenizer)
+    stops = _stop_ids(bundle)
     rows = []
-    for name, prompt in _prompts(bundle).items():
+    for name, prompt in _prompts(tokenizer).items():
         prompt_ids, ids, text = edgefinfer_greedy(bundle, prompt, n)
         printed, n_prompt = executorch_runner_text(pte, bundle / "tokenizer.json", prompt, n)
         # After a stop token TextLLMRunner prints that token's text and a newline.
-        expected = runner_printed_bytes(tokenizer, ids) + (b"\n" if ids and ids[-1] in _stop_ids(bundle) else b"")
+        expected = runner_printed_bytes(tokenizer, ids) + (b"\n" if ids and ids[-1] in stops else b"")
         rows.append(PeerRow(target, "executorch TextLLMRunner", name, printed == expected,
                             n_prompt == len(prompt_ids) and encode(prompt) == prompt_ids and probes[0] == probes[1],
                             text, printed.decode("utf-8", "replace"),
@@ -204,11 +197,11 @@ def _check_genai(bundle: Path, target: str, model: Path, n: int) -> list[PeerRow
         raise UserError(f"{bundle} has no genai_config.json (a --kv window bundle): onnxruntime-genai cannot run it")
     tokenizer = Tokenizer.from_dir(bundle)
     probes = _probe_agreement(genai_encoder(bundle), tokenizer)
+    stops = _stop_ids(bundle)  # genai's sequence leaves out the stop token that ended it
     rows = []
-    for name, prompt in _prompts(bundle).items():
+    for name, prompt in _prompts(tokenizer).items():
         prompt_ids, ids, text = edgefinfer_greedy(bundle, prompt, n)
         their_prompt, theirs = genai_greedy(bundle, prompt, n)
-        stops = _stop_ids(bundle)  # genai's sequence leaves out the stop token that ended it
         theirs = _until_stop(theirs, stops)
         same = _without_stop(theirs, stops) == _without_stop(ids, stops)
         rows.append(PeerRow(target, "onnxruntime-genai Generator", name, same,
@@ -279,10 +272,11 @@ def _check_llamacpp(bundle: Path, target: str, gguf: Path, n: int) -> list[PeerR
     # llama.cpp's default F16 KV the two would not compute the same logits, and greedy ties could differ.
     llm = Llama(str(gguf), n_ctx=2048, n_batch=512, type_k=0, type_v=0, n_threads=1, verbose=False)
     probes = _probe_agreement(lambda t: llm.tokenize(t.encode(), add_bos=False, special=True), tokenizer)
+    stops = _stop_ids(bundle)
     rows = []
-    for name, prompt in _prompts(bundle).items():
+    for name, prompt in _prompts(tokenizer).items():
         prompt_ids, ids, text = edgefinfer_greedy(bundle, prompt, n)
-        their_prompt, theirs = llamacpp_greedy(llm, prompt, n, _stop_ids(bundle))
+        their_prompt, theirs = llamacpp_greedy(llm, prompt, n, stops)
         template_ok = True
         if name == "chat":  # the prompt as llama.cpp's side renders the GGUF's own template
             messages = [{"role": "user", "content": CHAT_QUESTION}]
@@ -308,7 +302,7 @@ def _check_qnn(bundle: Path, target: str, model: Path, n: int) -> list[PeerRow]:
     eos = _eos_ids(manifest.model.get("config", {}))
     engines = {ep: Engine(open_qnn(bundle, meta, ep=ep, threads=1), tokenizer, eos) for ep in ("qnn", "cpu")}
     rows = []
-    for name, prompt in _prompts(bundle).items():
+    for name, prompt in _prompts(tokenizer).items():
         htp, cpu = (engines[ep].generate(prompt, max_tokens=n) for ep in ("qnn", "cpu"))
         # Not bit-exact by construction: the HTP computes the QDQ graph in fixed point, the CPU EP in
         # float; the row says where greedy decoding first parts, if it does.
