@@ -40,7 +40,7 @@ def main() -> None:
     folder = reference.pull("smollm2-135m")
     bundle = Path(args.bundle)
     if not (bundle / "manifest.json").is_file():
-        subprocess.run([sys.executable, "-m", "edgefinfer.cli", "build", "--target", "android", "-o", str(bundle)],
+        subprocess.run([sys.executable, "-m", "edgefinfer", "build", "--target", "android", "-o", str(bundle)],
                        check=True)
     manifest = load_manifest(bundle)
     pte, recipe = bundle / manifest.artefact("model").path, manifest.artefact("model").recipe

@@ -45,7 +45,7 @@ QUICK = [("linux-x86_64", "int4-g32"), ("gpu-server", "int4-g32-sym"), ("gpu-ser
 
 
 def bundle_row(target: str, recipe: str, out: Path, folder: Path, eval_tokens: int, threads: int) -> dict:
-    from edgefinfer.build import BuildOptions, build
+    from edgefinfer.app.build import BuildOptions, build
     from edgefinfer.bundle import load_manifest
     from edgefinfer.targets import get_target
 
@@ -71,7 +71,7 @@ def gguf_vs_llamacpp_quantizer(folder: Path, work: Path, eval_tokens: int, threa
     """Our Q8_0 (re-packed from our int8 codes) vs llama.cpp's quantizer on our F16 export."""
     import llama_cpp
 
-    from edgefinfer.build import _perplexity_of, _test_tokens
+    from edgefinfer.app.build import _perplexity_of, _test_tokens
     from edgefinfer.checkpoint import load_model
     from edgefinfer.compile.gguf_export import export_gguf
     from edgefinfer.runtime.backends.llamacpp import LlamaCppBackend

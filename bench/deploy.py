@@ -4,7 +4,7 @@
 
 Builds every target's default bundle of the shipped model with `edgefinfer build` (ExecuTorch's
 program cache makes a rebuild of an unchanged android bundle a copy), then for a plain and a chat
-prompt compares (edgefinfer.peer_runners.check_bundle):
+prompt compares (edgefinfer.app.peer_runners.check_bundle):
 
     android        ExecuTorch's C++ TextLLMRunner (the demo apps' runner) on model.pte + tokenizer.json
     linux-x86_64   onnxruntime-genai's Generator with its own tokenizer and genai_config.json
@@ -53,7 +53,7 @@ def one_layer_model(folder: Path) -> Path:
 def build(target: str, model: str, out: Path, eval_tokens: int) -> float:
     t0 = time.perf_counter()
     print(f"[deploy] build {target} -> {out}", file=sys.stderr, flush=True)
-    proc = subprocess.run([sys.executable, "-m", "edgefinfer.cli", "build", "--target", target, "--model", model,
+    proc = subprocess.run([sys.executable, "-m", "edgefinfer", "build", "--target", target, "--model", model,
                            "-o", str(out), "--eval-tokens", str(eval_tokens)], capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"build --target {target} failed: {proc.stderr.strip().splitlines()[-1:]}")
@@ -66,7 +66,7 @@ def main() -> None:
     ap.add_argument("--targets", default=",".join(TARGETS))
     ap.add_argument("--tokens", type=int, default=None, help="greedy tokens per prompt (default 32, quick 12)")
     args = ap.parse_args()
-    from edgefinfer.peer_runners import check_bundle
+    from edgefinfer.app.peer_runners import check_bundle
     from edgefinfer.quiet import quiet
 
     targets = [t for t in args.targets.split(",") if t]

@@ -179,7 +179,7 @@ def memory_bandwidth_gb_s() -> float:
 
 
 def build_artefacts(work: Path, folder: Path, quick: bool) -> dict[str, Path]:
-    from edgefinfer.build import BuildOptions, build
+    from edgefinfer.app.build import BuildOptions, build
 
     arts = {}
     for name, target, recipe in [("gguf-q8_0", "gpu-server", "int8-g32-emb8"),

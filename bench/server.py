@@ -219,7 +219,7 @@ def main() -> None:
 
     def ours(spec: bool) -> ServerProcess:
         port = free_port()
-        argv = [py, "-m", "edgefinfer.server_gpu.cli", str(gguf), "--port", str(port), *common,
+        argv = [py, "-m", "edgefinfer.app.serve_command", str(gguf), "--port", str(port), *common,
                 "--served-model-name", "model"]
         if spec:
             argv += ["--speculative", "lookup:3,4"]

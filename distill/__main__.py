@@ -2,6 +2,6 @@
 
 import sys
 
-from edgefinfer.distill.cli import main
+from edgefinfer.app.distill_command import main
 
 sys.exit(main())

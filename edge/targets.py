@@ -6,7 +6,7 @@ second with the SDK's name and how to get it.
 
 Default recipes are quality-first: the smallest recipe whose artefact, measured by its own runtime
 on the test split, stays within +5% perplexity of the float model (bench/results/build.json; the
-candidates are `edgefinfer.build.CANDIDATES`, `--quality-budget 5` re-derives the choice for any
+candidates are `edgefinfer.app.build.CANDIDATES`, `--quality-budget 5` re-derives the choice for any
 model). On the shipped SmolLM2-135M no 4-bit recipe gets there: its weights were distributed as
 GGUF Q4_1 (16 levels per group of 32 with a float minimum), and re-rounding them onto another
 4-bit grid (symmetric for XNNPACK, integer zero points for MatMulNBits / Q4_1 from our codes)

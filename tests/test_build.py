@@ -20,7 +20,7 @@ from tests.helpers import tiny_model, tiny_tokenizer
 
 
 def cli(*args, **kw):
-    return subprocess.run([sys.executable, "-m", "edgefinfer.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "edgefinfer", *args], capture_output=True, text=True,
                           timeout=900, **kw)
 
 
@@ -102,7 +102,7 @@ def test_8da8w_candidate_is_measured_quantized(tiny_dir):
     as it is, so the eager figure is the .pte's."""
     import torch
 
-    from edgefinfer.build import quantize_for
+    from edgefinfer.app.build import quantize_for
     from edgefinfer.checkpoint import load_model
     from edgefinfer.compile.executorch_export import resolve_options
     from edgefinfer.compile.quant.modules import QuantEmbedding, QuantLinear
@@ -230,7 +230,7 @@ def test_quality_budget_on_the_reference_model(tmp_path, smollm2_dir):
 def test_interrupted_build_leaves_no_bundle_and_rerun_succeeds(tmp_path, smollm2_dir, sig):
     dest = tmp_path / "dist" / "gpu"
     # Our own GGUF writer (Q8_0): its compile step lasts seconds, so the signal lands inside it.
-    args = [sys.executable, "-m", "edgefinfer.cli", "build", "--target", "gpu-server", "--model", str(smollm2_dir),
+    args = [sys.executable, "-m", "edgefinfer", "build", "--target", "gpu-server", "--model", str(smollm2_dir),
             "-o", str(dest), "--eval-tokens", "256", "--recipe", "int8-g32-emb8"]
     # A test run started in the background (`cmd &`) inherits SIGINT ignored, and Python then installs
     # no KeyboardInterrupt handler: give the build the disposition a terminal would.

@@ -180,7 +180,7 @@ def test_cli_run_on_a_hostile_bundle_exits_2_in_one_line(tmp_path, name):
     bundle = good_bundle(tmp_path / "b")
     outside_file(tmp_path)
     (bundle / MANIFEST).write_text(json.dumps(MANIFEST_EDITS[name](manifest_of(bundle), tmp_path)))
-    proc = subprocess.run([sys.executable, "-m", "edgefinfer.cli", "run", str(bundle), "-p", "hi"],
+    proc = subprocess.run([sys.executable, "-m", "edgefinfer", "run", str(bundle), "-p", "hi"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr

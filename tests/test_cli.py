@@ -10,7 +10,7 @@ from tests.helpers import tiny_model, tiny_tokenizer
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "edgefinfer.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "edgefinfer", *args], capture_output=True, text=True,
                           timeout=120)
 
 

@@ -213,7 +213,7 @@ def austen_teacher(tmp_path_factory) -> Path:
 def invoke(*args: str):
     from click.testing import CliRunner
 
-    from edgefinfer.distill.cli import distill
+    from edgefinfer.app.distill_command import distill
 
     return CliRunner().invoke(distill, list(args))
 
@@ -284,8 +284,8 @@ def test_torchrun_with_two_processes_follows_the_single_process_loss_curve(auste
 # ---- bad input ------------------------------------------------------------------------------------------
 
 def run_main(monkeypatch, capsys, *args: str) -> tuple[int, list[str]]:
-    from edgefinfer import cli
-    from edgefinfer.distill.cli import distill
+    from edgefinfer.app import cli
+    from edgefinfer.app.distill_command import distill
 
     monkeypatch.setitem(cli.cli.commands, "distill", distill)
     code = cli.main(["distill", *args])

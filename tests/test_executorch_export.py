@@ -221,7 +221,7 @@ def test_textllmrunner_runs_our_program(model, tokenizer, fp32_static, tmp_path,
     piece that is not valid UTF-8 on its own; the runner's stdout is compared byte for byte instead."""
     from executorch.extension.llm.runner import GenerationConfig, TextLLMRunner
 
-    from edgefinfer.peer_runners import runner_printed_bytes
+    from edgefinfer.app.peer_runners import runner_printed_bytes
 
     tokenizer.save(tmp_path)
     text = "It is a truth universally"

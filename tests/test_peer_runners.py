@@ -24,7 +24,7 @@ pytestmark = pytest.mark.reference
 
 
 def cli(*args):
-    return subprocess.run([sys.executable, "-m", "edgefinfer.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "edgefinfer", *args], capture_output=True, text=True,
                           timeout=1200)
 
 
@@ -110,7 +110,7 @@ def test_build_refuses_such_a_tokenizer_before_any_work(one_layer_dir, smollm2_t
 
 @pytest.mark.parametrize("target", ["android", "linux-x86_64", "gpu-server"])
 def test_peer_runner_gives_edgefinfers_greedy_tokens_and_ids(bundles, target):
-    from edgefinfer.peer_runners import check_bundle
+    from edgefinfer.app.peer_runners import check_bundle
 
     rows = check_bundle(bundles / target, max_new_tokens=12)
     assert [r.prompt for r in rows] == ["plain", "chat"]

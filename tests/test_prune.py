@@ -281,7 +281,7 @@ def tiny_folder(tmp_path_factory):
 def invoke(*args: str):
     from click.testing import CliRunner
 
-    from edgefinfer.prune.cli import prune
+    from edgefinfer.app.prune_command import prune
 
     return CliRunner().invoke(prune, list(args))
 
@@ -326,7 +326,7 @@ def test_cli_sensitivity_allocation_spreads_sparsity_around_the_target(tiny_fold
 
 
 def test_cli_choices_match_the_pipeline():
-    from edgefinfer.prune.cli import METHODS
+    from edgefinfer.app.prune_command import METHODS
     from edgefinfer.prune.pipeline import ALL_METHODS
 
     assert METHODS == ALL_METHODS
@@ -341,8 +341,8 @@ def test_cli_bad_input_is_one_line_exit_2(tiny_folder, tmp_path, monkeypatch, ca
     result = invoke(str(tiny_folder), str(tmp_path / "x"), "--eval-tokens", "0", *args)
     assert isinstance(result.exception, UserError) and fragment in str(result.exception)
     # Through the real entry point, as the user sees it.
-    from edgefinfer import cli
-    from edgefinfer.prune.cli import prune
+    from edgefinfer.app import cli
+    from edgefinfer.app.prune_command import prune
 
     monkeypatch.setitem(cli.cli.commands, "prune", prune)
     assert cli.main(["prune", str(tiny_folder), str(tmp_path / "x"), "--eval-tokens", "0", *args]) == 2

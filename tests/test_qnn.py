@@ -115,7 +115,7 @@ def _memorising_model(tok):
 def test_qnn_bundle_runs_through_the_engine(tmp_path, monkeypatch):
     """`edgefinfer build --target qnn` -> `edgefinfer run`: greedy tokens on the HTP emulator equal the
     CPU EP's on the same QDQ graphs; the build measured the bundle's perplexity (on the CPU EP)."""
-    from edgefinfer.build import BuildOptions, build
+    from edgefinfer.app.build import BuildOptions, build
     from edgefinfer.checkpoint import save_model
     from edgefinfer.runtime.engine import Engine
     from tests.helpers import tiny_tokenizer

@@ -6,10 +6,10 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers
 
-from edgefinfer import cli as edge_cli
+from edgefinfer.app import cli as edge_cli
 from edgefinfer.checkpoint import save_model
 from edgefinfer.compile.quant.checkpoint import load_quantized
-from edgefinfer.compile.quant.cli import REPORT_FILE, parse_size, quantize
+from edgefinfer.app.quantize_command import REPORT_FILE, parse_size, quantize
 from edgefinfer.errors import UserError
 from tests.helpers import tiny_model
 

@@ -65,12 +65,12 @@ def test_cli_build_and_run_are_quiet_and_the_bundle_readable(tmp_path):
     tok.save(tmp_path / "m")
     args = ["build", "--target", "qnn", "-m", str(tmp_path / "m"), "-o", str(tmp_path / "b"), "--max-seq-len", "32",
             "--eval-tokens", "64"]
-    proc = subprocess.run([sys.executable, "-m", "edgefinfer.cli", *args], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "edgefinfer", *args], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert [line for line in (proc.stderr + proc.stdout).splitlines() if any(n in line for n in NOISE)] == []
     assert all(f"[build {i}/5]" in proc.stderr for i in range(1, 6)) and "[qnn] context binaries" in proc.stderr
     assert "vs float" in proc.stdout  # the summary table
-    run = subprocess.run([sys.executable, "-m", "edgefinfer.cli", "run", str(tmp_path / "b"), "-p", "It is", "-n", "4"],
+    run = subprocess.run([sys.executable, "-m", "edgefinfer", "run", str(tmp_path / "b"), "-p", "It is", "-n", "4"],
                          capture_output=True, text=True, timeout=300, env={**os.environ, "EDGEFINFER_QNN_EP": "qnn"})
     assert run.returncode == 0, run.stderr
     assert [line for line in (run.stderr + run.stdout).splitlines() if any(n in line for n in NOISE)] == []

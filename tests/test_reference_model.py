@@ -216,7 +216,7 @@ def test_eval_reports_the_reference_perplexity_within_the_measured_band(smollm2_
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "edgefinfer.cli", "eval", str(smollm2_dir), "--max-tokens", "1024",
+    proc = subprocess.run([sys.executable, "-m", "edgefinfer", "eval", str(smollm2_dir), "--max-tokens", "1024",
                            "--window", "512", "--stride", "256", "--json", "--threads", "1"],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from edgefinfer.build import BuildOptions, build
+from edgefinfer.app.build import BuildOptions, build
 from edgefinfer.checkpoint import save_model
 from tests.helpers import tiny_model, tiny_tokenizer
 

@@ -32,7 +32,7 @@ def test_missing_sdk_names_it_and_how_to_get_it():
 
 def test_mediatek_without_its_sdk_fails_fast_in_one_line():
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "edgefinfer.cli", "targets", "--json"], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "edgefinfer", "targets", "--json"], capture_output=True,
                           text=True, timeout=60)
     rows = {r["target"]: r for r in json.loads(proc.stdout)}
     assert not rows["mediatek"]["buildable"] and "mtk_converter" in rows["mediatek"]["missing"][0]

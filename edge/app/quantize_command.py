@@ -58,8 +58,8 @@ def quantize(model: str, recipe_name: str, output: Path, calib_blocks: int, cali
     """Quantize MODEL with a recipe; write a quantized checkpoint and a JSON report to OUTPUT."""
     import torch
 
+    from edgefinfer.app.model_arg import resolve_model
     from edgefinfer.checkpoint import load_model
-    from edgefinfer.cli import resolve_model
     from edgefinfer.compile.quant.apply import plan_formats, quantize_model
     from edgefinfer.compile.quant.checkpoint import read_quantization_config, save_quantized
     from edgefinfer.compile.quant.recipe import parse_recipe

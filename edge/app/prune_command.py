@@ -45,7 +45,7 @@ def prune(model: str, out: str, method: str, sparsity: float, pattern: str | Non
       edgefinfer prune smollm2-135m out/w24 --method wanda --pattern 2:4
       edgefinfer prune smollm2-135m out/half --method structured --params 0.5 --layers 20
     """
-    from edgefinfer.cli import resolve_model  # lazy: edgefinfer.cli imports this module
+    from edgefinfer.app.model_arg import resolve_model
     from edgefinfer.prune.pipeline import REPORT_NAME, PruneOptions, prune_checkpoint
 
     if threads:

@@ -12,9 +12,12 @@ from pathlib import Path
 
 import click
 
+from edgefinfer.app.distill_command import distill
+from edgefinfer.app.model_arg import DEFAULT_MODEL, resolve_model
+from edgefinfer.app.prune_command import prune
+from edgefinfer.app.quantize_command import quantize
+from edgefinfer.app.serve_command import serve
 from edgefinfer.errors import UserError, run_command
-
-DEFAULT_MODEL = "smollm2-135m"
 
 
 PIPELINE_ORDER = ("pull", "eval", "generate", "distill", "prune", "quantize", "targets", "build", "run", "serve",
@@ -37,20 +40,6 @@ def cli() -> None:
     \b
     Pipeline:  pull -> eval -> distill -> prune -> quantize -> build -> run / serve
     """
-
-
-def resolve_model(model: str) -> Path:
-    """A model argument is a HF folder or the name of a shipped reference model (pulled once)."""
-    path = Path(model)
-    if path.exists():
-        return path
-    if "/" in model or path.suffix:
-        raise UserError(f"model folder {model} does not exist (or pass a known model name, e.g. {DEFAULT_MODEL})")
-    from edgefinfer import reference
-
-    if model in reference.MODELS:
-        return reference.pull(model)
-    raise UserError(f"{model!r} is neither a model folder nor a known model ({', '.join(reference.MODELS)})")
 
 
 def _set_threads(threads: int | None) -> None:
@@ -224,8 +213,8 @@ def build(target: str, model: str | None, recipe: str | None, quality_budget: fl
     from edgefinfer.quiet import quiet
 
     with quiet(not verbose):  # torchao / torch / ExecuTorch / ONNX Runtime chatter would bury the progress
-        from edgefinfer.build import BuildOptions
-        from edgefinfer.build import build as run_build
+        from edgefinfer.app.build import BuildOptions
+        from edgefinfer.app.build import build as run_build
 
         path = run_build(BuildOptions(target=target, model=model, out=out, recipe=recipe,
                                       quality_budget=quality_budget, max_seq_len=max_seq_len, kv=kv,
@@ -240,18 +229,11 @@ def get_target_checked(name: str) -> None:
     get_target(name).check()
 
 
-def _add_stage_commands() -> None:
-    """Commands that live with their stage (they import only click at module level)."""
-    from edgefinfer.compile.quant.cli import quantize
-    from edgefinfer.distill.cli import distill
-    from edgefinfer.prune.cli import prune
-    from edgefinfer.server_gpu.cli import serve
-
-    for command in (distill, prune, quantize, serve):
-        cli.add_command(command)
+# Commands that live in their own modules (they import only click and light modules at module level).
+for _command in (distill, prune, quantize, serve):
+    cli.add_command(_command)
 
 
-_add_stage_commands()
 @cli.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
 @click.argument("name")
 @click.pass_context
@@ -260,7 +242,7 @@ def bench(ctx: click.Context, name: str) -> None:
     runtime, server); extra options such as --quick are passed on."""
     import subprocess
 
-    folder = Path(__file__).resolve().parent.parent / "bench"
+    folder = Path(__file__).resolve().parents[2] / "bench"  # edge/app/cli.py -> the checkout
     script = folder / f"{name}.py"
     if not folder.is_dir():
         raise UserError("benchmarks ship with the source tree (bench/); run from a git checkout of edgefinfer")

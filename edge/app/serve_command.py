@@ -1,7 +1,7 @@
 """`edgefinfer serve`: the OpenAI-compatible server from the command line.
 
-The lead's CLI mounts `serve` (this click command) in `edgefinfer.cli`; it also runs alone:
-`python -m edgefinfer.server_gpu.cli MODEL ...`.
+`edgefinfer.app.cli` mounts `serve` (this click command); it also runs alone:
+`python -m edgefinfer.app.serve_command MODEL ...`.
 """
 
 from __future__ import annotations

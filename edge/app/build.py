@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 
 from edgefinfer.bundle import BundleWriter
-from edgefinfer.bundle_readme import bundle_readme
+from edgefinfer.app.bundle_readme import bundle_readme
 from edgefinfer.errors import UserError
 from edgefinfer.targets import Target, get_target
 

@@ -79,7 +79,7 @@ def distill(teacher: str, out: str, params: str, layers: int | None, kv_heads: i
     OUT receives student-init/, checkpoints/, train_log.jsonl, model/ (the student, a HF folder) and
     distill_report.json. Rerunning the same command after an interruption resumes from the last checkpoint.
     """
-    from edgefinfer.cli import resolve_model  # lazy: edgefinfer.cli imports this module
+    from edgefinfer.app.model_arg import resolve_model
     from edgefinfer.distill.pipeline import REPORT_NAME, DistillOptions, distill_checkpoint
     from edgefinfer.distill.trainer import TrainConfig
 
