@@ -29,8 +29,8 @@ from edgefinfer.compile.onnx_graph import read_metadata
 from edgefinfer.compile.onnx_static import export_static_decode
 from edgefinfer.errors import UserError
 from edgefinfer.model import Transformer
-from edgefinfer.runtime.backends.ort import qnn_context_session, require_qnn  # noqa: F401 (re-exported)
-from edgefinfer.runtime.backends.ort import qnn_session_options as _qnn_session_options
+from edgefinfer.ort_ep import qnn_context_session, require_qnn  # noqa: F401 (re-exported)
+from edgefinfer.ort_ep import qnn_session_options as _qnn_session_options
 
 # (float, QDQ, context model) files of the token generator and of the prompt processor.
 FLOAT_FILE, QDQ_FILE, CTX_FILE = "model_float.onnx", "model_qdq.onnx", "model_ctx.onnx"
@@ -70,7 +70,7 @@ def get_soc(name: str) -> Soc:
     return SOCS[key]
 
 
-# ---- the plugin EP (the session helpers live in the runtime: a phone opens the context model too) ----
+# ---- the plugin EP (the session helpers are in edgefinfer.ort_ep: a phone opens the context model too) ---
 
 def qnn_session_options(soc: Soc, *, context_out: Path | None = None):
     return _qnn_session_options(soc.htp_arch, soc.soc_model, context_out)
@@ -84,23 +84,10 @@ def qnn_session(model_path: str | Path, soc: str | Soc):
 
 # ---- QDQ quantization ---------------------------------------------------------------------------------
 
-def calibration_feeds(float_path: Path, token_streams: Sequence[Sequence[int]], max_calls: int = 16
-                      ) -> list[dict[str, np.ndarray]]:
-    """The inputs of every call the float static graph runs while reading `token_streams` (teacher
-    forced), recorded by the runtime backend's observer."""
-    from edgefinfer.runtime.backends.ort import OrtStaticBackend
-
-    feeds: list[dict[str, np.ndarray]] = []
-    # The cache arrays in a feed are the backend's own (updated in place): keep copies.
-    backend = OrtStaticBackend(float_path, threads=1,
-                               observer=lambda feed: feeds.append({k: v.copy() for k, v in feed.items()}))
-    chunk = backend.graphs[0].chunk
-    for stream in token_streams:
-        backend.reset()
-        backend.forward(list(stream)[: (max_calls - len(feeds)) * chunk], 0)
-        if len(feeds) >= max_calls:
-            break
-    return feeds
+# The inputs of every call the float static graph runs while reading token streams (teacher forced):
+# running a graph is the runtime's job (`edgefinfer.runtime.backends.ort.recorded_feeds`), which an
+# exporter may not import, so the caller passes it in.
+RecordFeeds = Callable[[Path, Sequence[Sequence[int]]], list[dict[str, np.ndarray]]]
 
 
 class _Feeds:
@@ -163,7 +150,7 @@ def compile_context(qdq_path: Path, ctx_path: Path, soc: Soc) -> list[str]:
 def build_qnn(model: Transformer, out_dir: str | Path, *, soc: str = "sm8650", context: int = 1024, chunk: int = 64,
               scheme: str = "a16w8", calibration: Sequence[Sequence[int]] | None = None,
               max_seq_len: int | None = None, keep_float: bool = False,
-              progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+              progress: Callable[[str], None] | None = None, record_feeds: RecordFeeds) -> dict[str, Any]:
     """Float static graphs -> QDQ -> QNN context binaries in `out_dir`. Returns the artefact metadata,
     which `edgefinfer.runtime.backends.ort.open_qnn` reads to run them.
 
@@ -172,6 +159,8 @@ def build_qnn(model: Transformer, out_dir: str | Path, *, soc: str = "sm8650", c
     calibration: token streams the quantizer observes (default: one stream of pseudo-random ids,
         which is only fit for tests; pass real text for a real model).
     max_seq_len: RoPE positions in the graphs (default: the model's).
+    record_feeds: runs the float graph over `calibration` and returns each call's inputs (the
+        runtime's `recorded_feeds`).
     """
     say = progress or (lambda _m: None)
     target = get_soc(soc)
@@ -192,7 +181,7 @@ def build_qnn(model: Transformer, out_dir: str | Path, *, soc: str = "sm8650", c
     say(f"[qnn] static graphs: {', '.join(str(g[3]) for g in graphs)} token(s) per call over {context} cache slots "
         f"({time.perf_counter() - t0:.1f}s)")
     streams = calibration or [np.random.default_rng(0).integers(0, model.config.vocab_size, 64).tolist()]
-    feeds = calibration_feeds(out / graphs[0][0], streams)
+    feeds = record_feeds(out / graphs[0][0], streams)
     calibration_calls = len(feeds)
     ranges = out / CALIBRATION_FILE
     ranges.unlink(missing_ok=True)

@@ -18,7 +18,7 @@ from edgefinfer.compile.onnx_static import export_static_decode
 from edgefinfer.bundle import load_manifest
 from edgefinfer.compile.qnn import build_qnn, get_soc, require_qnn
 from edgefinfer.errors import UserError
-from edgefinfer.runtime.backends.ort import OrtStaticBackend, open_qnn
+from edgefinfer.runtime.backends.ort import OrtStaticBackend, open_qnn, recorded_feeds
 from edgefinfer.runtime.backends.torch_eager import TorchBackend
 from tests.helpers import tiny_model
 
@@ -71,7 +71,7 @@ def test_context_binaries_on_htp_emulator(tmp_path, scheme, tol_htp, tol_float):
     rng = np.random.default_rng(0)
     calibration = [rng.integers(0, VOCAB, 24).tolist() for _ in range(4)]
     meta = build_qnn(model, tmp_path, soc="sm8650", context=16, chunk=4, scheme=scheme, calibration=calibration,
-                     keep_float=True)
+                     keep_float=True, record_feeds=recorded_feeds)
     assert (meta["soc_model"], meta["htp_arch"], meta["context"], meta["window"]) == (57, 75, 16, 17)
     for name in (meta["context_model"], meta["prompt_context_model"]):
         ctx = onnx.load(str(tmp_path / name), load_external_data=False)
@@ -150,7 +150,8 @@ def test_missing_package_is_a_user_error(monkeypatch):
     with pytest.raises(UserError, match=r"pip install onnxruntime-qnn==2\.7\.0"):
         require_qnn()
     with pytest.raises(UserError, match="onnxruntime-qnn"):
-        build_qnn(tiny_model(vocab_size=VOCAB), "/nonexistent/never-written", soc="sm8650")
+        build_qnn(tiny_model(vocab_size=VOCAB), "/nonexistent/never-written", soc="sm8650",
+                  record_feeds=recorded_feeds)
 
 
 def test_socs():

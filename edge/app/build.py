@@ -321,12 +321,13 @@ def compile_artefact(target: Target, model, tokenizer, recipe: str, folder: Path
     if target.format == "qnn-context":
         from edgefinfer.compile.qnn import build_qnn
         from edgefinfer.data import load_text
+        from edgefinfer.runtime.backends.ort import recorded_feeds
 
         # Activation ranges from 4 prompt-processor calls (64 tokens each) over calibration text.
         calib = [tokenizer.encode(load_text("calib")[:8000])[:256]]
         scheme = recipe.removeprefix("qdq-") if recipe.startswith("qdq-") else "a16w8"
         meta = build_qnn(model, folder, soc=opts.soc, context=opts.max_seq_len, scheme=scheme, calibration=calib,
-                         progress=lambda m: print(f"  {m}", file=sys.stderr))
+                         progress=lambda m: print(f"  {m}", file=sys.stderr), record_feeds=recorded_feeds)
         files = [meta.get("context_model", "model_ctx.onnx")] + [f for f in meta["files"]
                                                                  if f != meta.get("context_model", "model_ctx.onnx")]
         return files, meta

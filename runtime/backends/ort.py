@@ -31,6 +31,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from edgefinfer.errors import UserError
+from edgefinfer.ort_ep import import_ort as _import_ort
+from edgefinfer.ort_ep import qnn_context_session
 from edgefinfer.runtime.backends.base import UNBOUNDED
 from edgefinfer.runtime.backends.ort_window import WindowedKV
 
@@ -39,14 +41,6 @@ MASK_OFF = -100.0  # the static graph's "may not attend" bias: finite, so int8/i
 
 _ORT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
               "tensor(int32)": np.int32}
-
-
-def _import_ort():
-    try:
-        import onnxruntime as ort
-    except ImportError as e:  # pragma: no cover - onnxruntime is a declared dependency
-        raise UserError("the ONNX backend needs onnxruntime: pip install onnxruntime") from e
-    return ort
 
 
 def resolve_model_path(path: str | Path, filename: str = MODEL_FILE) -> Path:
@@ -69,47 +63,7 @@ def session_options(threads: int | None):
     return so
 
 
-# ---- Qualcomm QNN (the onnxruntime-qnn plugin EP) ------------------------------------------------------
-
-QNN_PACKAGE, QNN_VERSION, QNN_EP = "onnxruntime-qnn", "2.7.0", "QNNExecutionProvider"
-
-
-def require_qnn():
-    """The `onnxruntime_qnn` module, its EP library registered with onnxruntime (once per process)."""
-    try:
-        import onnxruntime_qnn
-    except ImportError:
-        raise UserError(f"the qnn target needs the {QNN_PACKAGE} package (Qualcomm's ONNX Runtime EP with the QNN "
-                        f"HTP libraries): pip install {QNN_PACKAGE}=={QNN_VERSION}") from None
-    ort = _import_ort()
-    if not any(d.ep_name == QNN_EP for d in ort.get_ep_devices()):
-        ort.register_execution_provider_library(QNN_EP, onnxruntime_qnn.get_library_path())
-    return onnxruntime_qnn
-
-
-def qnn_session_options(htp_arch: int, soc_model: int, context_out: str | Path | None = None):
-    """Session options that put the whole graph on the QNN HTP backend (no CPU fallback); with
-    `context_out`, creating a session compiles the graph into that EPContext model + binary."""
-    ort = _import_ort()
-    require_qnn()
-    devices = [d for d in ort.get_ep_devices() if d.ep_name == QNN_EP]
-    so = ort.SessionOptions()
-    so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
-    if context_out is not None:
-        so.add_session_config_entry("ep.context_enable", "1")
-        so.add_session_config_entry("ep.context_file_path", str(context_out))
-        so.add_session_config_entry("ep.context_embed_mode", "0")  # the binary beside the model, not inside
-    # An fp32 graph or a missing htp_arch/soc_model fails inside QNN with QNN_COMMON_ERROR_MEM_ALLOC.
-    so.add_provider_for_devices(devices, {"backend_type": "htp", "htp_arch": str(htp_arch),
-                                          "soc_model": str(soc_model)})
-    return so
-
-
-def qnn_context_session(model_path: str | Path, htp_arch: int, soc_model: int):
-    """A session on a QNN context model (on a PC: the x86 HTP emulator). It must be opened with the
-    provider options it was compiled for: `providers=[...]` fails with "EPContext node not compatible"."""
-    return _import_ort().InferenceSession(str(model_path), qnn_session_options(htp_arch, soc_model))
-
+# ---- Qualcomm QNN (the onnxruntime-qnn plugin EP; its session helpers are in edgefinfer.ort_ep) ----
 
 QNN_EPS = ("auto", "qnn", "cpu")
 
@@ -380,3 +334,20 @@ class OrtStaticBackend:
 
     def reset(self) -> None:
         self.slot_pos[:] = -1
+
+
+def recorded_feeds(static_graph: Path, token_streams: Sequence[Sequence[int]], max_calls: int = 16
+                   ) -> list[dict[str, np.ndarray]]:
+    """The inputs of every call the static graph runs while reading `token_streams` (teacher forced),
+    at most `max_calls`: what QDQ calibration observes (`edgefinfer.compile.qnn.build_qnn`)."""
+    feeds: list[dict[str, np.ndarray]] = []
+    # The cache arrays in a feed are the backend's own (updated in place): keep copies.
+    backend = OrtStaticBackend(static_graph, threads=1,
+                               observer=lambda feed: feeds.append({k: v.copy() for k, v in feed.items()}))
+    chunk = backend.graphs[0].chunk
+    for stream in token_streams:
+        backend.reset()
+        backend.forward(list(stream)[: (max_calls - len(feeds)) * chunk], 0)
+        if len(feeds) >= max_calls:
+            break
+    return feeds
