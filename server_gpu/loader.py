@@ -137,7 +137,8 @@ def _tokenizer(src: _Source) -> tuple[Tokenizer, tuple[int, ...]]:
 
 
 def _llamacpp(src: _Source, opts: ServeOptions) -> tuple[Executor, Tokenizer, tuple[int, ...]]:
-    from edgefinfer.server_gpu.executor_llamacpp import LlamaCppExecutor, tokenizer_matches
+    from edgefinfer.runtime.backends.llamacpp_binding import tokenizer_matches
+    from edgefinfer.server_gpu.executor_llamacpp import LlamaCppExecutor
 
     if src.kind != "gguf":
         raise UserError(f"the llama.cpp backend runs GGUF files; {src.path} is a HF folder: build a GGUF "

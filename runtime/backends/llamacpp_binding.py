@@ -1,0 +1,195 @@
+"""The project's one binding to llama.cpp (llama-cpp-python's low-level API).
+
+A loaded GGUF (`LlamaModel`), a context with its reusable `llama_batch` (`LlamaContext`: batch
+filling, `llama_decode`, and the memory operations on llama sequence ids), the import guard and the
+log silencing. Two clients sit on top:
+
+* the runtime's `LlamaCppBackend`: one sequence (llama seq id 0) in a one-sequence context;
+* the server's `LlamaCppExecutor` and `LlamaDraft` (`edgefinfer.server_gpu.executor_llamacpp`):
+  many sequences in one context, placed on llama seq ids by the paged-KV manager's storage.
+
+llama-cpp-python's high-level `Llama` is not used: its `eval` needs `logits_all=True` for the
+logits of every fed token, which keeps an [n_ctx, vocab] float32 score table (400 MB for SmolLM2
+at n_ctx 2048), and it knows one sequence only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import weakref
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from edgefinfer.errors import UserError
+
+KV_TYPES = {"f32": 0, "f16": 1}  # ggml_type ids
+
+# (llama seq id, start position, tokens, how many trailing tokens want logits)
+DecodeRow = tuple[int, int, Sequence[int], int]
+
+
+def llama_cpp_lib():
+    """The `llama_cpp` module, or a UserError saying how to install it."""
+    try:
+        import llama_cpp
+    except ImportError:
+        raise UserError("llama-cpp-python is not installed: pip install 'edgefinfer[llamacpp]' (it builds "
+                        "from source, about 7 minutes; see the README for CUDA)") from None
+    return llama_cpp
+
+
+_log_callback = None
+
+
+def _silence(lib) -> None:
+    """Route llama.cpp's log lines nowhere (they go to stderr by default). Kept alive globally: the C
+    side holds the pointer."""
+    global _log_callback
+    if _log_callback is None:
+        _log_callback = lib.llama_log_callback(lambda level, text, data: None)
+        lib.llama_log_set(_log_callback, None)
+        lib.llama_backend_init()
+
+
+class LlamaModel:
+    """A loaded GGUF; freed by `close` or when it is garbage (after every context made from it)."""
+
+    def __init__(self, path: str | Path, gpu_layers: int = 0):
+        self.lib = lib = llama_cpp_lib()
+        _silence(lib)
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise UserError(f"GGUF file {self.path} does not exist")
+        params = lib.llama_model_default_params()
+        params.n_gpu_layers = gpu_layers
+        self.ptr = lib.llama_model_load_from_file(str(self.path).encode(), params)
+        if not self.ptr:
+            raise UserError(f"llama.cpp could not load {self.path}; is it a GGUF file of a supported model?")
+        # Not at interpreter exit: a daemon thread may still be inside llama_decode then.
+        self._free = weakref.finalize(self, lib.llama_model_free, self.ptr)
+        self._free.atexit = False
+        self.vocab = lib.llama_model_get_vocab(self.ptr)
+        self.vocab_size = lib.llama_vocab_n_tokens(self.vocab)
+        self.n_ctx_train = lib.llama_model_n_ctx_train(self.ptr)
+
+    def tokenize(self, text: str) -> list[int] | None:
+        """llama.cpp's own split of `text` (no BOS, special tokens parsed), or None if it fails."""
+        raw = text.encode()
+        buf = (self.lib.llama_token * (len(raw) + 8))()
+        n = self.lib.llama_tokenize(self.vocab, raw, len(raw), buf, len(buf), False, True)
+        return list(buf[:n]) if n >= 0 else None
+
+    def close(self) -> None:
+        self._free()
+        self.ptr = None
+
+
+def _free_context(lib, ctx, batch, model: LlamaModel) -> None:
+    # `model` is an argument so that the model outlives every context made from it.
+    lib.llama_batch_free(batch)
+    lib.llama_free(ctx)
+
+
+class LlamaContext:
+    """One llama context holding `num_slots` sequences, and a reusable batch of `max_tokens` tokens.
+
+    threads: for batches of several tokens, and for one-token steps unless `decode_threads` says
+    otherwise (llama.cpp picks by the batch size). None: every core.
+    """
+
+    def __init__(self, model: LlamaModel, num_slots: int, cells_per_slot: int, *, unified: bool = False,
+                 flash_attn: bool = False, kv_dtype: str = "f32", threads: int | None = None,
+                 decode_threads: int | None = None, max_tokens: int = 512, total_cells: int | None = None):
+        lib = self.lib = model.lib
+        if kv_dtype not in KV_TYPES:
+            raise UserError(f"unknown KV dtype {kv_dtype!r}: use one of {', '.join(KV_TYPES)}")
+        limit = lib.llama_max_parallel_sequences()
+        if not 1 <= num_slots <= limit:
+            raise UserError(f"llama.cpp holds 1 to {limit} sequences per context, not {num_slots}")
+        p = lib.llama_context_default_params()
+        p.n_ctx = total_cells if total_cells is not None else num_slots * cells_per_slot
+        p.n_batch = p.n_ubatch = max_tokens
+        p.n_seq_max = num_slots
+        p.kv_unified = unified
+        p.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        p.type_k = p.type_v = KV_TYPES[kv_dtype]
+        n = threads or os.cpu_count() or 1
+        p.n_threads_batch = n
+        p.n_threads = decode_threads or n
+        self.model = model
+        self.ptr = lib.llama_init_from_model(model.ptr, p)
+        if not self.ptr:
+            raise UserError(f"llama.cpp could not create a context of {p.n_ctx} cells for {num_slots} sequences; "
+                            f"lower --max-num-seqs or --max-model-len")
+        self.batch = lib.llama_batch_init(max_tokens, 0, 1)  # token ids, one sequence id per token
+        self._free = weakref.finalize(self, _free_context, lib, self.ptr, self.batch, model)
+        self._free.atexit = False  # see LlamaModel
+        self.mem = lib.llama_get_memory(self.ptr)
+        self.n_ctx = lib.llama_n_ctx(self.ptr)
+        self.cells_per_slot = lib.llama_n_ctx_seq(self.ptr) if not unified else self.n_ctx
+        self.max_tokens = max_tokens
+        self.threads = n
+
+    def decode(self, rows: Sequence[DecodeRow], out: np.ndarray | None = None) -> np.ndarray:
+        """One llama_decode of `rows` (at most `max_tokens` tokens in all) -> float32 logits
+        [rows' logit count, V] in row order, copied into `out` when given (else a new array)."""
+        b, lib = self.batch, self.lib
+        i = 0
+        for seq, start, tokens, num_logits in rows:
+            first_logit = len(tokens) - num_logits
+            for j, tok in enumerate(tokens):
+                b.token[i] = tok
+                b.pos[i] = start + j
+                b.n_seq_id[i] = 1
+                b.seq_id[i][0] = seq
+                b.logits[i] = j >= first_logit
+                i += 1
+        b.n_tokens = i
+        rc = lib.llama_decode(self.ptr, b)
+        if rc != 0:
+            # 1: no KV slot. Callers size the context for what they feed, so this is a bug, not a user error.
+            raise RuntimeError(f"llama_decode failed with code {rc} on a batch of {i} tokens")
+        n_out = sum(r[3] for r in rows)
+        if n_out == 0:
+            return np.empty((0, self.model.vocab_size), dtype=np.float32)
+        view = np.ctypeslib.as_array(lib.llama_get_logits(self.ptr), shape=(n_out, self.model.vocab_size))
+        if out is None:
+            return view.copy()  # llama.cpp reuses the buffer on the next decode
+        out[...] = view
+        return out
+
+    # ---- memory: cells are tagged with (sequence id, position) ----------------------------------
+    def remove(self, seq: int, start: int = -1, end: int = -1) -> None:
+        """Drop sequence `seq`'s cells at positions [start, end) (-1: open end; both -1: all of them)."""
+        self.lib.llama_memory_seq_rm(self.mem, seq, start, end)
+
+    def copy(self, src: int, dst: int, start: int = -1, end: int = -1) -> None:
+        """Tag `src`'s cells at [start, end) with `dst` too. Across per-sequence streams llama.cpp copies
+        whole streams only (start = end = -1); a partial range there aborts the process."""
+        self.lib.llama_memory_seq_cp(self.mem, src, dst, start, end)
+
+    def save(self, seq: int) -> ctypes.Array:
+        """A host copy of sequence `seq`'s state (`llama_state_seq_*`: restores bit-exactly)."""
+        size = self.lib.llama_state_seq_get_size(self.ptr, seq)
+        buf = (ctypes.c_uint8 * size)()
+        if self.lib.llama_state_seq_get_data(self.ptr, buf, size, seq) != size:
+            raise RuntimeError(f"llama_state_seq_get_data could not save llama sequence {seq}")
+        return buf
+
+    def restore(self, seq: int, buf: ctypes.Array) -> None:
+        """Replace sequence `seq`'s cells by a state from `save` (of any sequence)."""
+        self.remove(seq)
+        if self.lib.llama_state_seq_set_data(self.ptr, buf, len(buf), seq) != len(buf):
+            raise RuntimeError(f"llama_state_seq_set_data could not restore llama sequence {seq}")
+
+    def close(self) -> None:
+        self._free()
+        self.ptr = None
+
+
+def tokenizer_matches(model: LlamaModel, tokenizer, texts: Sequence[str]) -> bool:
+    """Whether our tokenizer splits `texts` exactly like llama.cpp's own (a load-time sanity check)."""
+    return all(model.tokenize(text) == tokenizer.encode(text) for text in texts)
