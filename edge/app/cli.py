@@ -13,11 +13,12 @@ from pathlib import Path
 import click
 
 from edgefinfer.app.distill_command import distill
+from edgefinfer.app.entry_point import run_command
 from edgefinfer.app.model_arg import DEFAULT_MODEL, resolve_model
 from edgefinfer.app.prune_command import prune
 from edgefinfer.app.quantize_command import quantize
 from edgefinfer.app.serve_command import serve
-from edgefinfer.errors import UserError, run_command
+from edgefinfer.errors import UserError
 
 
 PIPELINE_ORDER = ("pull", "eval", "generate", "distill", "prune", "quantize", "targets", "build", "run", "serve",

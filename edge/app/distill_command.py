@@ -11,7 +11,8 @@ import sys
 
 import click
 
-from edgefinfer.errors import UserError, run_command
+from edgefinfer.app.entry_point import run_command
+from edgefinfer.errors import UserError
 
 
 def _pairs(text: str | None) -> tuple[tuple[int, int], ...]:

@@ -11,7 +11,7 @@ import sys
 
 import click
 
-from edgefinfer.errors import run_command
+from edgefinfer.app.entry_point import run_command
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})

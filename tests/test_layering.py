@@ -1,0 +1,163 @@
+"""Dependencies run one way (issue 16): every import in the package, at module level or inside a
+function, goes down the layers, never up or sideways.
+
+    foundation (edgefinfer.*: model, config, tokenizer, checkpoint, data, errors, bundle, artefact, ...)
+      -> prune -> distill          the build side: compression
+      -> compile                   the build side: exporters
+      -> runtime                   the inference side: one sequence on a device
+      -> server_gpu                the inference side: continuous batching on a server
+      -> app                       the CLI, build, peer-runner checks: the only layer that orchestrates
+
+The inference side never imports the build side: a phone install has no exporter, no torchao, no
+training code (tests/test_runtime_only_install.py checks that at run time; this checks every line).
+A `__main__` module is a launcher that nothing imports, so it belongs to the app layer.
+"""
+
+from __future__ import annotations
+
+import ast
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = "edgefinfer"
+
+# What each layer may import besides itself. Each edge is a reason, not a convenience.
+ALLOWED: dict[str, frozenset[str]] = {
+    "foundation": frozenset(),
+    "prune": frozenset({"foundation"}),
+    # A student is the teacher pruned structurally, then trained (Minitron): distillation builds on pruning.
+    "distill": frozenset({"foundation", "prune"}),
+    "compile": frozenset({"foundation"}),
+    "runtime": frozenset({"foundation"}),
+    "server_gpu": frozenset({"foundation", "runtime"}),
+    "app": frozenset({"foundation", "prune", "distill", "compile", "runtime", "server_gpu"}),
+}
+SUBPACKAGE_LAYERS = ("app", "distill", "prune", "compile", "runtime", "server_gpu")
+
+
+@dataclass(frozen=True)
+class Violation:
+    file: str
+    line: int
+    module: str
+    imported: str
+
+    def __str__(self) -> str:
+        return (f"{self.file}:{self.line}: {self.module} ({layer_of(self.module)}) imports {self.imported} "
+                f"({layer_of(self.imported)}); {layer_of(self.module)} may import only "
+                f"{', '.join(sorted(ALLOWED[layer_of(self.module)])) or 'itself'}")
+
+
+def layer_of(module: str) -> str:
+    parts = module.split(".")
+    if parts[0] != PACKAGE:
+        raise ValueError(f"{module} is not in {PACKAGE}")
+    if "__main__" in parts:
+        return "app"
+    return parts[1] if len(parts) > 1 and parts[1] in SUBPACKAGE_LAYERS else "foundation"
+
+
+def package_modules(root: Path = ROOT) -> dict[str, Path]:
+    """Every module of the installed package, by dotted name, from pyproject's package-dir."""
+    tool = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    modules: dict[str, Path] = {}
+    for package in tool["packages"]:
+        folder = root / tool["package-dir"].get(package, package.replace(".", "/"))
+        for path in sorted(folder.glob("*.py")):  # subpackages are listed on their own
+            modules[package if path.stem == "__init__" else f"{package}.{path.stem}"] = path
+    return modules
+
+
+def imported_modules(module: str, source: str, is_package: bool, known: set[str]) -> list[tuple[int, str]]:
+    """(line, module) for every import of the package in `source`, wherever it stands. `from a import b`
+    counts as importing a.b when that is a module (e.g. `from edgefinfer import reference`)."""
+    here = module if is_package else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] == PACKAGE]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the module's package, one level up per extra dot
+                anchor = here.split(".")[: len(here.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            if base.split(".")[0] != PACKAGE:
+                continue
+            subs = [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in known]
+            found += [(node.lineno, m) for m in subs] or [(node.lineno, base)]
+    return found
+
+
+def violations(sources: dict[str, tuple[str, str, bool]]) -> list[Violation]:
+    """sources: module -> (file shown in messages, source text, is a package __init__)."""
+    known = set(sources)
+    bad = []
+    for module, (file, text, is_package) in sorted(sources.items()):
+        mine = layer_of(module)
+        for line, imported in imported_modules(module, text, is_package, known):
+            theirs = layer_of(imported)
+            if theirs != mine and theirs not in ALLOWED[mine]:
+                bad.append(Violation(file, line, module, imported))
+    return sorted(bad, key=lambda v: (v.file, v.line))
+
+
+def read_sources(modules: dict[str, Path]) -> dict[str, tuple[str, str, bool]]:
+    return {m: (str(p.relative_to(ROOT)), p.read_text(), p.stem == "__init__") for m, p in modules.items()}
+
+
+def test_every_import_goes_down_the_layers():
+    modules = package_modules()
+    assert {layer_of(m) for m in modules} == set(ALLOWED)  # every layer is found, so none is skipped
+    assert "edgefinfer.app.cli" in modules and "edgefinfer.runtime.backends.ort" in modules
+    bad = violations(read_sources(modules))
+    assert not bad, "imports against the layering:\n" + "\n".join(map(str, bad))
+
+
+def test_no_cli_module_sits_below_the_app():
+    """The command line is the app's: a library's click command would import the app back (a cycle)."""
+    below = [m for m, p in package_modules().items() if layer_of(m) != "app" and "import click" in p.read_text()]
+    assert below == []
+
+
+# Modules the synthetic sources below may name (a `from x import y` resolves y against them).
+KNOWN = {m: (m.replace(".", "/") + ".py", "", False)
+         for m in ("edgefinfer.compile.onnx_export", "edgefinfer.app.cli", "edgefinfer.runtime.engine")}
+
+
+@pytest.mark.parametrize("module,source,message", [
+    ("edgefinfer.model", "def f():\n    from edgefinfer.runtime.engine import Engine\n",
+     "edge/model.py:2: edgefinfer.model (foundation) imports edgefinfer.runtime.engine (runtime); "
+     "foundation may import only itself"),
+    ("edgefinfer.compile.qnn", "import numpy\nimport edgefinfer.runtime.engine\n",
+     "compile/qnn.py:2: edgefinfer.compile.qnn (compile) imports edgefinfer.runtime.engine (runtime); "
+     "compile may import only foundation"),
+    ("edgefinfer.runtime.decode", "from ..compile import onnx_export\n",
+     "runtime/decode.py:1: edgefinfer.runtime.decode (runtime) imports edgefinfer.compile.onnx_export (compile); "
+     "runtime may import only foundation"),
+    ("edgefinfer.prune.pipeline", "class A:\n    def m(self):\n        from edgefinfer.app import cli\n",
+     "prune/pipeline.py:3: edgefinfer.prune.pipeline (prune) imports edgefinfer.app.cli (app); "
+     "prune may import only foundation"),
+    ("edgefinfer.server_gpu.api", "from edgefinfer.compile import onnx_export, missing_name\n",
+     "server_gpu/api.py:1: edgefinfer.server_gpu.api (server_gpu) imports edgefinfer.compile.onnx_export (compile); "
+     "server_gpu may import only foundation, runtime"),
+])
+def test_the_checker_names_an_import_against_the_layering(module, source, message):
+    file = message.split(":")[0]
+    assert [str(v) for v in violations({module: (file, source, False), **KNOWN})] == [message]
+
+
+def test_the_checker_allows_imports_down_and_within_a_layer():
+    sources = {
+        "edgefinfer.server_gpu.loader": ("server_gpu/loader.py",
+                                         "from edgefinfer.runtime.engine import Engine\nfrom . import sampler\n"
+                                         "from edgefinfer.errors import UserError\n", False),
+        "edgefinfer.distill.student": ("distill/student.py", "from edgefinfer.prune.structured import Kept\n", False),
+        "edgefinfer.distill.__main__": ("distill/__main__.py", "from edgefinfer.app.distill_command import main\n",
+                                        False),
+        "edgefinfer.server_gpu.sampler": ("server_gpu/sampler.py", "", False),
+    }
+    assert violations(sources) == []
