@@ -39,7 +39,7 @@ def bench_eager(folder: Path, prompt: list[int], n_decode: int, repeats: int) ->
 
     from edgefinfer.cache import StaticCache
     from edgefinfer.checkpoint import load_model
-    from edgefinfer.generate import decode_one_token, prefill
+    from edgefinfer.eager_decode import decode_one_token, prefill
 
     model = load_model(folder)
     cfg = model.config

@@ -2,7 +2,7 @@
 detokenization that turns a stream of token ids into text deltas.
 
 Torch-free on purpose: the runtime's ONNX Runtime and llama.cpp paths generate greedily without
-loading torch (`edgefinfer.generate` holds the eager torch token loop).
+loading torch (`edgefinfer.eager_decode` holds the eager torch token loop).
 """
 
 from __future__ import annotations

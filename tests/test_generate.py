@@ -3,8 +3,8 @@
 import torch
 import pytest
 
+from edgefinfer.eager_decode import generate_ids, generate_text, stream_text
 from edgefinfer.errors import UserError
-from edgefinfer.generate import generate_ids, generate_text, stream_text
 from edgefinfer.generation import StopStringMatcher
 from edgefinfer.sampling import SamplingParams, apply_repetition_penalty, logits_to_probs, next_token
 from edgefinfer.tokenizer import IncrementalDecoder, Tokenizer

@@ -51,7 +51,7 @@ def test_llamacpp_runs_our_export(tmp_path, tok, dtype, tol, arch):
     assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.9
     if dtype == "f32":  # greedy continuation token for token, incremental on both sides
         plain = list(generate_tokens(backend, ids, 24))
-        from edgefinfer.generate import generate_ids
+        from edgefinfer.eager_decode import generate_ids
         assert plain == list(generate_ids(model, ids, 24))
 
 

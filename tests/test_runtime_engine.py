@@ -6,8 +6,8 @@ import threading
 import pytest
 
 from edgefinfer.checkpoint import save_model
+from edgefinfer.eager_decode import generate_ids, generate_text
 from edgefinfer.errors import UserError
-from edgefinfer.generate import generate_ids, generate_text
 from edgefinfer.runtime.engine import Engine, KVSpec, SpecSpec
 from edgefinfer.sampling import SamplingParams
 from tests.helpers import tiny_model, tiny_tokenizer

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from edgefinfer.cache import StaticCache
+from edgefinfer.eager_decode import generate_ids
 from edgefinfer.errors import UserError
-from edgefinfer.generate import generate_ids
 from edgefinfer.runtime.speculative import verify as verify_mod
 from edgefinfer.runtime.speculative.adaptive import (AdaptiveK, CostModel, KState, best_k, expected_speedup,
                                                      expected_tokens)

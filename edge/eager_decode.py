@@ -1,4 +1,4 @@
-"""Autoregressive generation with a KV cache: prefill, decode one token at a time, stream text.
+"""The eager torch decoder, the reference path: prefill, decode one token at a time, stream text.
 
 The hot path is two small functions (`prefill`, `decode_one_token`) so that backends and
 speculative decoding can reuse them; `generate_ids` is the token loop; `stream_text` adds
