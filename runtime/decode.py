@@ -29,8 +29,8 @@ from edgefinfer.sampling import SamplingParams
 if TYPE_CHECKING:  # torch is loaded only for sampling with temperature, penalties or speculation
     import torch
 
-    from edgefinfer.runtime.speculative.proposers import Proposer
-    from edgefinfer.runtime.speculative.verify import SpecStats
+    from edgefinfer.runtime.speculative.proposers import Draft, Proposer
+    from edgefinfer.runtime.speculative.verify import SpecStats, VerifyResult
 
 
 def _new_spec_stats() -> SpecStats:
@@ -49,9 +49,11 @@ class Speculation:
     stats: SpecStats = field(default_factory=_new_spec_stats)
 
 
+# ---- sampling from numpy logits: the runtime's loop below and the server's scheduler ----------------
 def sample_row(logits: np.ndarray, params: SamplingParams, context: Sequence[int],
                generator: torch.Generator | None) -> int:
-    """One token from one row of logits [V] (repetition penalty against `context`)."""
+    """One token from one row of logits [V] (repetition penalty against `context`). Greedy picks the
+    first maximum, as torch.argmax does."""
     if params.greedy and params.repetition_penalty == 1.0:
         return int(np.argmax(logits))  # the first maximum, as torch.argmax
     import torch
@@ -62,12 +64,24 @@ def sample_row(logits: np.ndarray, params: SamplingParams, context: Sequence[int
     return int(next_token(torch.from_numpy(np.asarray(logits))[None], params, history, generator)[0])
 
 
-def _generator(params: SamplingParams) -> torch.Generator | None:
+def seeded_generator(params: SamplingParams, stream: int = 0) -> torch.Generator | None:
+    """The random stream `stream` of a seeded request (seed + stream); None when greedy decoding draws
+    nothing or no seed is set (then torch's global generator draws)."""
     if params.seed is None or params.greedy:
-        return None  # greedy decoding draws nothing
+        return None
     import torch
 
-    return torch.Generator().manual_seed(params.seed)
+    return torch.Generator().manual_seed(params.seed + stream)
+
+
+def verify_draft(logits: np.ndarray, draft: Draft, params: SamplingParams,
+                 generator: torch.Generator | None) -> VerifyResult:
+    """logits [k+1, V] for [last, *draft] -> the accepted drafts plus one target token (lossless)."""
+    import torch
+
+    from edgefinfer.runtime.speculative.verify import verify
+
+    return verify(draft.tokens, draft.probs, torch.from_numpy(np.ascontiguousarray(logits)), params, generator)
 
 
 def generate_tokens(backend: Backend, prompt_ids: Sequence[int], max_new_tokens: int,
@@ -85,7 +99,7 @@ def generate_tokens(backend: Backend, prompt_ids: Sequence[int], max_new_tokens:
         raise UserError("speculative decoding does not support repetition_penalty != 1 yet; drop one of them")
     stats = stats if stats is not None else GenerationStats()
     stats.prompt_tokens = len(prompt_ids)
-    generator = _generator(params)
+    generator = seeded_generator(params)
     stop = set(stop_ids)
     backend.reset()
 
@@ -133,13 +147,8 @@ def _draft_len(speculation: Speculation | None, k_state, remaining: int) -> int:
 def _verify_round(backend: Backend, context: list[int], draft, params: SamplingParams,
                   generator: torch.Generator | None, speculation: Speculation) -> list[int]:
     """One target call over `[last] + drafts`; returns the accepted drafts plus the target's token."""
-    import torch
-
-    from edgefinfer.runtime.speculative.verify import verify
-
-    start = len(context) - 1
-    logits = torch.from_numpy(np.ascontiguousarray(backend.forward([context[-1], *draft.tokens], start)))
-    result = verify(draft.tokens, draft.probs, logits, params, generator)  # [k+1, V] rows
+    logits = backend.forward([context[-1], *draft.tokens], len(context) - 1)  # [k+1, V]
+    result = verify_draft(logits, draft, params, generator)
     speculation.stats.record(result)
     backend.rollback(len(context) + result.num_accepted_draft)
     return list(result.tokens)

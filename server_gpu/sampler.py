@@ -1,8 +1,8 @@
-"""Turning one sequence's logits into tokens: sampling, speculative verification, logprobs.
+"""The server's own parts of sampling: OpenAI's `logit_bias` and `logprobs`, and one random stream
+per choice.
 
-The distributions are the shared ones (`edgefinfer.sampling.logits_to_probs`, the verifier of
-`edgefinfer.runtime.speculative.verify`), so a server sequence samples exactly like the on-device
-runtime. Greedy picks `argmax` with ties to the lowest id, like `torch.argmax`.
+Drawing a token and verifying a draft are the runtime's (`edgefinfer.runtime.decode.sample_row`
+and `verify_draft`), so a server sequence samples exactly like the on-device runtime.
 """
 
 from __future__ import annotations
@@ -12,9 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from edgefinfer.runtime.speculative.proposers import Draft
-from edgefinfer.runtime.speculative.verify import VerifyResult, verify
-from edgefinfer.sampling import SamplingParams, logits_to_probs, sample_from_probs
+from edgefinfer.runtime.decode import seeded_generator
+from edgefinfer.sampling import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,20 +33,6 @@ def apply_bias(logits: np.ndarray, bias: tuple[tuple[int, float], ...]) -> np.nd
     ids, values = zip(*bias)
     out[..., list(ids)] += np.asarray(values, dtype=out.dtype)
     return out
-
-
-def sample(logits: np.ndarray, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """logits [V] -> one token id."""
-    if params.greedy:
-        return int(np.argmax(logits))
-    probs = logits_to_probs(torch.from_numpy(logits), params.temperature, params.top_k, params.top_p)  # [V]
-    return int(sample_from_probs(probs, generator))
-
-
-def verify_draft(logits: np.ndarray, draft: Draft, params: SamplingParams,
-                 generator: torch.Generator | None) -> VerifyResult:
-    """logits [k+1, V] for [last, *draft] -> accepted drafts plus one target token (lossless)."""
-    return verify(draft.tokens, draft.probs, torch.from_numpy(logits), params, generator)
 
 
 def logprobs(logits: np.ndarray, token_ids: list[int], top_n: int) -> list[TokenLogprob]:
@@ -70,7 +55,6 @@ def logprobs(logits: np.ndarray, token_ids: list[int], top_n: int) -> list[Token
 
 def make_generator(params: SamplingParams, index: int) -> torch.Generator | None:
     """Choice `index` of a request draws from its own stream: seed + index when seeded, else fresh entropy."""
-    if params.greedy:
-        return None
-    seed = params.seed + index if params.seed is not None else int.from_bytes(np.random.bytes(8), "little") >> 1
-    return torch.Generator().manual_seed(seed)
+    if params.greedy or params.seed is not None:
+        return seeded_generator(params, index)
+    return torch.Generator().manual_seed(int.from_bytes(np.random.bytes(8), "little") >> 1)

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from edgefinfer.errors import UserError
+from edgefinfer.runtime.decode import sample_row, verify_draft
 from edgefinfer.runtime.kv.paged_manager import NoRoom, PagedKVManager, SlotPlan
 from edgefinfer.runtime.speculative.proposers import Draft
 from edgefinfer.server_gpu import sampler
@@ -327,7 +328,7 @@ class Scheduler:
                 samplers = list(seq.request.seqs)
             biased = sampler.apply_bias(row[0], seq.request.params.logit_bias)
             for s in samplers:
-                token = sampler.sample(biased, s.request.params.sampling, s.generator)
+                token = sample_row(biased, s.request.params.sampling, s.tokens, s.generator)
                 self._emit(s, [token], row, now, touched)
         outputs = [RequestOutput(r.request_id, d, r.finished, r.num_prompt, r.num_output_tokens())
                    for r, d in touched.values()]
@@ -338,7 +339,7 @@ class Scheduler:
                             touched: dict[str, tuple[Request, list[ChoiceDelta]]]) -> None:
         seq, draft = item.seq, item.draft
         p = seq.request.params
-        result = sampler.verify_draft(sampler.apply_bias(rows, p.logit_bias), draft, p.sampling, seq.generator)
+        result = verify_draft(sampler.apply_bias(rows, p.logit_bias), draft, p.sampling, seq.generator)
         keep = len(seq.tokens) + result.num_accepted_draft  # the KV of [last, accepted drafts] stays valid
         self._pending_ops.append(self.manager.truncate(seq.seq_id, keep))
         self.manager.mark_computed(seq.seq_id)
