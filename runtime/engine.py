@@ -66,7 +66,7 @@ class KVSpec:
 
 
 @dataclass(frozen=True)
-class SpecSpec:
+class SpeculativeOption:
     """`--speculative` option: draft:PATH[,K] | lookup[:N][,K]."""
 
     kind: str
@@ -75,7 +75,7 @@ class SpecSpec:
     k: int = 4
 
     @classmethod
-    def parse(cls, text: str | None) -> "SpecSpec | None":
+    def parse(cls, text: str | None) -> "SpeculativeOption | None":
         if not text:
             return None
         head, _, rest = text.partition(":")
@@ -204,10 +204,11 @@ class Engine:
 
     @classmethod
     def load(cls, path: str | Path, backend: str | None = None, kv: str | KVSpec | None = None,
-             speculative: str | SpecSpec | None = None, threads: int | None = None,
+             speculative: str | SpeculativeOption | None = None, threads: int | None = None,
              max_seq_len: int | None = None) -> "Engine":
         kv = kv if isinstance(kv, KVSpec) else KVSpec.parse(kv)
-        spec = speculative if isinstance(speculative, SpecSpec) or speculative is None else SpecSpec.parse(speculative)
+        spec = (speculative if isinstance(speculative, SpeculativeOption) or speculative is None
+                else SpeculativeOption.parse(speculative))
         be, tok, info = open_backend(path, backend, kv, threads, max_seq_len)
         limit = getattr(be, "max_draft_tokens", None)
         if spec is not None and limit is not None and spec.k > limit:
@@ -241,7 +242,7 @@ class Engine:
         return result
 
 
-def _speculation(spec: SpecSpec, target: Backend, kv: KVSpec, threads: int | None) -> Speculation:
+def _speculation(spec: SpeculativeOption, target: Backend, kv: KVSpec, threads: int | None) -> Speculation:
     import torch
 
     from edgefinfer.runtime.speculative.proposers import DraftModelProposer, PromptLookupProposer

@@ -188,10 +188,10 @@ def _torch(src: _Source, opts: ServeOptions) -> tuple[Executor, Tokenizer, tuple
 def _speculation(opts: ServeOptions, src: _Source, backend: str, executor: Executor) -> SpeculationConfig | None:
     if not opts.speculative:
         return None
-    from edgefinfer.runtime.engine import SpecSpec
+    from edgefinfer.runtime.engine import SpeculativeOption
     from edgefinfer.runtime.speculative.proposers import PromptLookupProposer
 
-    spec = SpecSpec.parse(opts.speculative)
+    spec = SpeculativeOption.parse(opts.speculative)
     if spec.kind == "lookup":
         return SpeculationConfig(lambda seq_id: PromptLookupProposer(max_ngram=spec.ngram), k_max=spec.k,
                                  adaptive=opts.adaptive_speculation, name=f"lookup:{spec.ngram}")

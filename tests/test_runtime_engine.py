@@ -8,7 +8,7 @@ import pytest
 from edgefinfer.checkpoint import save_model
 from edgefinfer.eager_decode import generate_ids, generate_text
 from edgefinfer.errors import UserError
-from edgefinfer.runtime.engine import Engine, KVSpec, SpecSpec
+from edgefinfer.runtime.engine import Engine, KVSpec, SpeculativeOption
 from edgefinfer.sampling import SamplingParams
 from tests.helpers import tiny_model, tiny_tokenizer
 
@@ -108,7 +108,7 @@ def test_bad_options_and_paths(folders, tmp_path):
             KVSpec.parse(bad)
     for bad in ["draft:", "lookup:x", "medusa"]:
         with pytest.raises(UserError, match="bad --speculative"):
-            SpecSpec.parse(bad)
+            SpeculativeOption.parse(bad)
     with pytest.raises(UserError, match="does not exist"):
         Engine.load(tmp_path / "nothing")
     with pytest.raises(UserError, match="--kv paged runs on the torch backend"):
