@@ -76,6 +76,7 @@ def logits_to_probs(logits: Tensor, temperature: float = 1.0, top_k: int | None 
         cum = sorted_logits.softmax(-1).cumsum(-1)
         # Drop a token when the tokens ranked above it already reach top_p; the first always stays.
         drop_sorted = (cum - sorted_logits.softmax(-1)) >= top_p
+        drop_sorted[..., 0] = False  # also when top_p underflows to 0 in float32 (top_p=1e-300)
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits.softmax(-1)

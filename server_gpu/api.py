@@ -48,11 +48,18 @@ class ServerLimits:
     max_prompt_tokens: int | None = None  # default: the model length minus one
 
 
+# With "stream": true the 200 answer is server-sent events, not one JSON body; the schema is one event's.
+_STREAMED = {200: {"content": {"text/event-stream": {"schema": {
+    "type": "object", "required": ["data"],
+    "properties": {"data": {"type": "string", "description": "a chunk object as JSON, then [DONE]"}}}}}}}
+
+
 # ------------------------------------------------------------------------------------------- app
 def create_app(engine: Engine, model_name: str, api_key: str | None = None,
                limits: ServerLimits = ServerLimits(), close_engine: bool = True) -> FastAPI:
     """The ASGI app. Its lifespan starts the engine thread on the server's event loop, and at shutdown
-    stops it and (with `close_engine`) frees the model and its KV memory."""
+    stops it and (with `close_engine`) frees the model and its KV memory. `app.state.shutdown` drains
+    it gracefully (see `Shutdown`)."""
     created = int(time.time())
     max_len, vocab = engine.executor.max_model_len, engine.executor.vocab_size
     max_prompt = min(limits.max_prompt_tokens or max_len - 1, max_len - 1)
@@ -72,6 +79,9 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None,
                   description="OpenAI-compatible server: continuous batching over llama.cpp or torch.",
                   responses={400: {"model": ErrorResponse}, 401: {"model": ErrorResponse},
                              404: {"model": ErrorResponse}, 413: {"model": ErrorResponse}})
+    app.state.shutdown = Shutdown(engine)
+    # Starlette runs the last added middleware first: the body is read before a 503 goes out (see BodyLimit).
+    app.add_middleware(ShutdownGate, shutdown=app.state.shutdown)
     app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes)
     _install_error_handlers(app)
 
@@ -94,7 +104,8 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None,
             raise APIError(503, "the engine thread is not running", type="server_error")
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response,
+             responses={200: {"content": {CONTENT_TYPE: {"schema": {"type": "string"}}}}})
     async def metrics() -> Response:
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE)
 
@@ -104,7 +115,8 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None,
                                             "owned_by": "edgefinfer", "max_model_len": max_len,
                                             "meta": engine.executor.describe()}]}
 
-    @app.post("/v1/completions", response_model=CompletionResponse, dependencies=[Depends(auth)])
+    @app.post("/v1/completions", response_model=CompletionResponse, dependencies=[Depends(auth)],
+              responses=_STREAMED)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model)
         if body.echo or body.suffix or (body.best_of not in (None, 1, body.n)):
@@ -118,7 +130,8 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None,
         return await _respond(request, engine, rid, prompts, params, builder, body.stream,
                               bool(body.stream_options and body.stream_options.include_usage))
 
-    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, dependencies=[Depends(auth)])
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, dependencies=[Depends(auth)],
+              responses=_STREAMED)
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
         if body.tools:
@@ -128,7 +141,8 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None,
         if not body.messages:
             raise APIError(400, "messages must hold at least one message", param="messages")
         try:
-            text = engine.tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in body.messages])
+            text = engine.tokenizer.apply_chat_template([{"role": m.role, "content": _check_text(m.text(), "messages")}
+                                                         for m in body.messages])
         except UserError as e:
             raise APIError(400, str(e), param="messages") from None
         ids = engine.tokenizer.encode(text)
@@ -151,9 +165,9 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None,
 # ------------------------------------------------------------------------------------------- validation
 def _completion_prompts(engine: Engine, prompt: object, max_prompt: int) -> list[list[int]]:
     if isinstance(prompt, str):
-        prompts = [engine.tokenizer.encode(prompt, add_special_tokens=True)]
+        prompts = [engine.tokenizer.encode(_check_text(prompt, "prompt"), add_special_tokens=True)]
     elif prompt and all(isinstance(p, str) for p in prompt):
-        prompts = [engine.tokenizer.encode(p, add_special_tokens=True) for p in prompt]
+        prompts = [engine.tokenizer.encode(_check_text(p, "prompt"), add_special_tokens=True) for p in prompt]
     elif prompt and all(isinstance(p, int) for p in prompt):
         prompts = [list(prompt)]
     elif prompt and all(isinstance(p, list) for p in prompt):
@@ -205,6 +219,10 @@ def _params(body, prompt_len: int, max_len: int, vocab: int, limits: ServerLimit
     temperature = 1.0 if body.temperature is None else body.temperature
     if not 0.0 <= temperature <= 2.0:
         raise APIError(400, f"temperature must be in [0, 2], got {temperature}", param="temperature")
+    if 0.0 < temperature < _MIN_TEMPERATURE:
+        temperature = _MIN_TEMPERATURE
+    if body.seed is not None and not -(2**63) <= body.seed < 2**63:
+        raise APIError(400, f"seed must be a 64-bit signed integer, got {body.seed}", param="seed")
     top_p = None if body.top_p is None or body.top_p == 1.0 else body.top_p
     try:
         sampling = SamplingParams(temperature=temperature, top_k=body.top_k, top_p=top_p, seed=body.seed)
@@ -212,6 +230,21 @@ def _params(body, prompt_len: int, max_len: int, vocab: int, limits: ServerLimit
         raise APIError(400, str(e)) from None
     return GenerationParams(max_tokens=max_tokens, sampling=sampling, n=body.n, stop=tuple(stop), logprobs=logprobs,
                             ignore_eos=body.ignore_eos, logit_bias=bias)
+
+
+# Dividing float32 logits by a smaller temperature overflows them to inf (1e-300 is 0 in float32), and
+# the softmax then gives NaN; vLLM raises such temperatures to 1e-2 for the same reason.
+_MIN_TEMPERATURE = 1e-2
+
+
+def _check_text(text: str, param: str) -> str:
+    """JSON may carry lone UTF-16 surrogates ("\\ud800"), which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(400, f"{param} is not valid Unicode: {e.object[e.start:e.end]!r} at character {e.start} "
+                            f"is a lone surrogate; send UTF-8 text", param=param) from None
+    return text
 
 
 def _logit_bias(bias: dict[str, float], vocab: int) -> tuple[tuple[int, float], ...]:
@@ -337,19 +370,77 @@ async def _as_dict(work: Awaitable[None]) -> dict:
     return {}
 
 
+# ------------------------------------------------------------------------------------------- shutdown
+class Shutdown:
+    """Graceful shutdown: once `drain` starts, new requests get 503; the ones in flight may finish for
+    `grace_s` seconds, then the engine ends what still runs (finish_reason "abort") and `drain` returns
+    when every response has been sent, so that uvicorn's own shutdown finds nothing left to cut."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.closed = False
+        self.in_flight = 0  # HTTP requests inside the app (a stream counts until its last byte)
+
+    async def drain(self, grace_s: float, poll_s: float = 0.02) -> dict[str, int]:
+        self.closed = True
+        loop = asyncio.get_running_loop()
+        at_signal, deadline = self.in_flight, loop.time() + grace_s
+        while self.in_flight and loop.time() < deadline:
+            await asyncio.sleep(poll_s)
+        ended = self.in_flight
+        if ended:
+            self.engine.end_all()
+        # What is left now are last chunks on their way out, and KV releases the engine does next step.
+        deadline = loop.time() + 5.0
+        while (self.in_flight or self.engine.snapshot()["kv_used"]) and loop.time() < deadline:
+            await asyncio.sleep(poll_s)
+        return {"in_flight": at_signal, "ended": ended, "unsent": self.in_flight,
+                "kv_used": int(self.engine.snapshot()["kv_used"])}
+
+
+class ShutdownGate:
+    """Counts the requests in flight; once the server is shutting down, answers new ones with 503
+    (all but /metrics, which monitoring keeps reading while the server drains)."""
+
+    def __init__(self, app: ASGIApp, shutdown: Shutdown):
+        self.app, self.shutdown = app, shutdown
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self.shutdown.closed and scope["path"] != "/metrics":
+            await _send_error(send, 503, "the server is shutting down; send the request again to another "
+                                         "server, or to this one once it has restarted",
+                              type="server_error", code="server_shutting_down")
+            return
+        self.shutdown.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.shutdown.in_flight -= 1
+
+
 # ------------------------------------------------------------------------------------------- middleware
 class BodyLimit:
-    """Refuse bodies over `max_bytes` with 413 before anything parses them (Content-Length or streamed)."""
+    """Refuse bodies over `max_bytes` with 413 before anything parses them (Content-Length or streamed).
 
-    def __init__(self, app: ASGIApp, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
+    An oversized body is still read (and dropped) up to `drain_bytes` before the 413 goes out: closing a
+    socket whose peer is still sending makes the kernel answer with a reset, and the client then sees a
+    dropped connection instead of the 413 (nginx's "lingering close" for the same reason). Beyond
+    `drain_bytes` the server stops paying for the upload and answers at once.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int, drain_bytes: int = 64 << 20):
+        self.app, self.max_bytes, self.drain_bytes = app, max_bytes, max(drain_bytes, max_bytes)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+        declared_size = int(declared) if declared is not None and declared.isdigit() else 0
+        if declared_size > self.drain_bytes:
             await _send_error(send, 413, self._message())
             return
         chunks, size, more = [], 0, True
@@ -359,11 +450,14 @@ class BodyLimit:
                 return
             body = message.get("body", b"")
             size += len(body)
-            if size > self.max_bytes:
-                await _send_error(send, 413, self._message())
-                return
-            chunks.append(body)
             more = message.get("more_body", False)
+            if max(size, declared_size) <= self.max_bytes:
+                chunks.append(body)
+            elif size > self.drain_bytes:
+                break
+        if max(size, declared_size) > self.max_bytes:
+            await _send_error(send, 413, self._message())
+            return
         replayed = False
 
         async def replay() -> Message:
@@ -379,8 +473,9 @@ class BodyLimit:
         return f"the request body exceeds {self.max_bytes} bytes; send a smaller request"
 
 
-async def _send_error(send: Send, status: int, message: str) -> None:
-    body = json.dumps(error_body(message)).encode()
+async def _send_error(send: Send, status: int, message: str, type: str = "invalid_request_error",
+                      code: str | None = None) -> None:
+    body = json.dumps(error_body(message, type, code=code)).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             (b"connection", b"close")]})

@@ -20,7 +20,7 @@ from edgefinfer.runtime.kv.block_pool import sha256_block_hash
 from edgefinfer.runtime.kv.paged_manager import PagedKVManager
 from edgefinfer.server_gpu.interface import Executor, StepPlan
 from edgefinfer.server_gpu.metrics import Metrics
-from edgefinfer.server_gpu.request import GenerationParams, Request, RequestOutput
+from edgefinfer.server_gpu.request import ChoiceDelta, GenerationParams, Request, RequestOutput, Status
 from edgefinfer.server_gpu.scheduler import Scheduler, SchedulerConfig, StepStats
 from edgefinfer.server_gpu.speculation import SpeculationConfig
 from edgefinfer.tokenizer import Tokenizer
@@ -86,6 +86,11 @@ class Engine:
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
 
+    def end_all(self) -> None:
+        """End every request now, its unfinished choices with finish_reason "abort" (a shutdown's grace
+        period is over): clients get a normal last chunk instead of a dropped connection."""
+        self._inbox.put(("end_all",))
+
     def snapshot(self) -> dict[str, float]:
         """The engine state as of its last step (published by the engine thread)."""
         return self._snapshot
@@ -123,11 +128,24 @@ class Engine:
                 _call_all([(item.sink, RequestOutput(item.request_id, [], True, item.num_prompt, 0, error=str(e)))])
                 return
             self._requests[item.request_id] = item
+        elif item[0] == "end_all":
+            self._deliver([self._end(request) for request in list(self._requests.values())])
         else:
             _, request_id = item
             if self._requests.pop(request_id, None) is not None:
                 self.scheduler.abort(request_id)
                 self.metrics.inc("requests_total", finish_reason="abort")
+
+    def _end(self, request: Request) -> RequestOutput:
+        """Abort `request` (its blocks are freed) and say so: each unfinished choice ends with the text
+        it held back (a possible stop string's prefix) and finish_reason "abort"."""
+        done = {s.index for s in request.seqs if s.status is Status.FINISHED}
+        held = {s.index: s.text.flush() for s in request.seqs if s.status is not Status.FINISHED}
+        deltas = [ChoiceDelta(i, held.get(i, ""), [], None, "abort") for i in range(request.params.n) if i not in done]
+        num_output = request.num_output_tokens()
+        self.scheduler.abort(request.request_id)
+        self.metrics.inc("requests_total", finish_reason="abort")
+        return RequestOutput(request.request_id, deltas, True, request.num_prompt, num_output)
 
     def _step(self) -> None:
         try:

@@ -2,18 +2,27 @@
 
 `BackgroundServer` binds its socket before uvicorn starts, so port 0 gives a free port with no race,
 and `stop()` always shuts uvicorn and the engine down (use it as a context manager).
+
+In the foreground, SIGTERM (or Ctrl-C) drains the server first (`api.Shutdown`): new requests get 503
+while the running ones have `grace_s` seconds to finish, then uvicorn shuts down and the process
+exits 0. A second signal skips what is left of the grace period.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import socket
 import threading
 import time
+from types import FrameType
 
 import uvicorn
 from fastapi import FastAPI
 
 from edgefinfer.errors import UserError
+
+log = logging.getLogger(__name__)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -35,10 +44,42 @@ def _config(app: FastAPI, log_level: str) -> uvicorn.Config:
                           limit_concurrency=None, backlog=2048)
 
 
-def serve_forever(app: FastAPI, host: str, port: int, log_level: str = "info") -> None:
+def serve_forever(app: FastAPI, host: str, port: int, log_level: str = "info", grace_s: float = 20.0) -> None:
     sock = bind(host, port)
-    server = uvicorn.Server(_config(app, log_level))
+    server = _DrainingServer(_config(app, log_level), app, grace_s)
     server.run(sockets=[sock])
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn, whose first SIGTERM/SIGINT drains the app before uvicorn's own shutdown starts."""
+
+    def __init__(self, config: uvicorn.Config, app: FastAPI, grace_s: float):
+        super().__init__(config)
+        self.app, self.grace_s = app, grace_s
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._draining = False
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._draining or self._loop is None or self.should_exit:
+            self.force_exit = self._draining  # a second signal: no more waiting
+            super().handle_exit(sig, frame)
+            return
+        # Not recorded as uvicorn's captured signal: uvicorn would re-raise it after a clean shutdown,
+        # and the process would die of SIGTERM instead of exiting 0.
+        self._draining = True
+        self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._drain()))
+
+    async def _drain(self) -> None:
+        log.info("shutting down: new requests get 503; the running ones have %g s to finish", self.grace_s)
+        r = await self.app.state.shutdown.drain(self.grace_s)
+        log.info("drained: %d request(s) in flight at the signal, %d ended at the grace deadline "
+                 "(finish_reason abort), %d response(s) unsent, %d KV block(s) in use",
+                 r["in_flight"], r["ended"], r["unsent"], r["kv_used"])
+        self.should_exit = True
 
 
 class BackgroundServer:

@@ -148,5 +148,6 @@ class ChatBuilder(_Base):
 
 
 def _public(reason: str | None) -> str | None:
-    """OpenAI knows "stop" and "length"; an aborted choice never reaches a client that is still there."""
-    return reason if reason in (None, "stop", "length") else "stop"
+    """OpenAI knows "stop" and "length"; "abort" (as vLLM says it) reaches a client only when a shutdown's
+    grace period ended its request (a client that left sees nothing)."""
+    return reason if reason in (None, "stop", "length", "abort") else "stop"

@@ -108,7 +108,7 @@ class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None
+    finish_reason: Literal["stop", "length", "abort"] | None
 
 
 class CompletionResponse(BaseModel):
@@ -139,7 +139,7 @@ class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: dict[str, list[ChatTokenLogprob]] | None = None
-    finish_reason: Literal["stop", "length"] | None
+    finish_reason: Literal["stop", "length", "abort"] | None
 
 
 class ChatCompletionResponse(BaseModel):

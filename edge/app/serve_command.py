@@ -51,13 +51,17 @@ from edgefinfer.app.entry_point import run_command
 @click.option("--api-key", envvar="EDGEFINFER_API_KEY", default=None,
               help="Require 'Authorization: Bearer KEY' (or set EDGEFINFER_API_KEY).")
 @click.option("--max-body-bytes", default=1 << 20, show_default=True, type=click.IntRange(1024))
+@click.option("--shutdown-grace-s", default=20.0, show_default=True, type=click.FloatRange(0),
+              help="On SIGTERM: new requests get 503 and running ones may finish for this long; then the rest "
+                   "end with finish_reason 'abort' and the process exits 0. Keep it under the orchestrator's "
+                   "kill timeout (Kubernetes: 30 s).")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 def serve(model: str, backend: str | None, host: str, port: int, max_num_seqs: int, max_model_len: int,
           max_num_batched_tokens: int, prefill_chunk: int, block_size: int, no_prefix_caching: bool,
           kv_unified: bool, kv_cells: int | None, preemption: str, kv_dtype: str, flash_attn: bool, gpu_layers: int, device: str,
           threads: int | None, speculative: str | None, fixed_k: bool, served_model_name: str | None,
-          api_key: str | None, max_body_bytes: int, log_level: str) -> None:
+          api_key: str | None, max_body_bytes: int, shutdown_grace_s: float, log_level: str) -> None:
     """Serve MODEL (a .gguf, a bundle, a HF folder, or a shipped model name) with an OpenAI-compatible API."""
     from edgefinfer.server_gpu.api import ServerLimits, create_app
     from edgefinfer.server_gpu.launch import serve_forever
@@ -74,7 +78,7 @@ def serve(model: str, backend: str | None, host: str, port: int, max_num_seqs: i
     engine, name = build_engine(opts)
     app = create_app(engine, name, api_key=api_key, limits=ServerLimits(max_body_bytes=max_body_bytes))
     click.echo(f"serving {name} ({engine.executor.describe()['backend']}) on http://{host}:{port}/v1", err=True)
-    serve_forever(app, host, port, log_level)
+    serve_forever(app, host, port, log_level, grace_s=shutdown_grace_s)
 
 
 def main() -> int:

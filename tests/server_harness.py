@@ -1,0 +1,239 @@
+"""Reliability scenarios for the OpenAI-compatible server, shared by the tests (small sizes) and
+bench/reliability.py (the issue's sizes): a schema-driven fuzz run, SIGTERM under load, SIGKILL and
+restart. Each runs the real server (uvicorn on 127.0.0.1, `edgefinfer serve` for the signal scenarios)
+and returns plain counts; the callers decide what must hold.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# ------------------------------------------------------------------------------------------ models
+def tiny_gguf(path: Path) -> Path:
+    """A tiny random llama GGUF (6 MB, 2 layers, 641 tokens) that llama.cpp loads in ~0.05 s."""
+    from tests.test_gguf_import import tiny_model, train_vocab, write_gguf
+
+    if not path.exists():
+        vocab = train_vocab()
+        write_gguf(path, tiny_model(len(vocab["tokens"])), vocab)
+    return path
+
+
+# ------------------------------------------------------------------------------------------ fuzzing
+def fuzz_api(url: str, model_name: str, max_examples: int, seed: int = 0) -> dict:
+    """schemathesis over the server's own /openapi.json: every operation, positive and negative cases.
+
+    Half the generated bodies name the served model (a random `model` would stop nearly every case at
+    the 404), so positive cases reach the engine. Checks: schemathesis's defaults (no 5xx, documented
+    status codes, content types and response schemas, negative data rejected) except positive-data
+    acceptance, which a JSON schema cannot make hold (the context window, the vocabulary), plus every
+    error answer in OpenAI's shape with a message. Returns the case count, the 5xx count, statuses
+    seen and one example per distinct failure."""
+    import schemathesis
+    from hypothesis import HealthCheck, Phase, given, seed as hypothesis_seed, settings, strategies as st
+    from hypothesis.errors import Unsatisfiable
+    from schemathesis import GenerationMode
+    from schemathesis.specs.openapi.checks import positive_data_acceptance
+
+    schema = schemathesis.openapi.from_url(url + "/openapi.json")
+
+    @schema.hook("flatmap_body")
+    def served_model(context, body):
+        if isinstance(body, dict) and isinstance(body.get("model"), str):
+            return st.sampled_from([body, {**body, "model": model_name}])
+        return st.just(body)
+
+    statuses: collections.Counter = collections.Counter()
+    failures: dict[str, str] = {}
+    cases = 0
+
+    def check(case) -> None:
+        nonlocal cases
+        cases += 1
+        response = None
+        try:
+            response = case.call(base_url=url, timeout=60)
+            statuses[response.status_code] += 1
+            case.validate_response(response, excluded_checks=[positive_data_acceptance],
+                                   additional_checks=[_openai_error_shape])
+        except (Exception, BaseExceptionGroup) as e:  # failed checks (a group), or a hang or reset
+            if response is None:
+                statuses[type(e).__name__] += 1
+            key = f"{case.operation.label}: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}"
+            failures.setdefault(key, f"{str(e)[:600]}\nbody: {json.dumps(case.body, default=str)[:300]}")
+
+    for operation in schema.get_all_operations():
+        operation = operation.ok()
+        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+            @hypothesis_seed(seed)
+            @settings(max_examples=max_examples, deadline=None, database=None, phases=[Phase.generate],
+                      suppress_health_check=list(HealthCheck))
+            @given(case=operation.as_strategy(generation_mode=mode))
+            def run(case) -> None:
+                check(case)
+
+            try:
+                run()
+            except Unsatisfiable:  # no negative case exists for an operation without inputs (GET /health)
+                pass
+    server_5xx = sum(n for s, n in statuses.items() if isinstance(s, int) and s >= 500)
+    return {"cases": cases, "server_5xx": server_5xx, "statuses": {str(k): v for k, v in sorted(statuses.items(),
+                                                                                                 key=str)},
+            "failures": failures}
+
+
+def _openai_error_shape(ctx, response, case) -> bool | None:
+    """Every 4xx/5xx body is OpenAI's error object with a message a client can show."""
+    if response.status_code >= 400:
+        error = response.json().get("error")
+        assert isinstance(error, dict) and set(error) == {"message", "type", "param", "code"}, response.text[:200]
+        assert isinstance(error["message"], str) and error["message"], response.text[:200]
+    return None
+
+
+# ------------------------------------------------------------------------------------------ processes
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_serve(model: str, port: int, *args: str, log: Path) -> subprocess.Popen:
+    """`edgefinfer serve MODEL` in a child process (its output goes to `log`)."""
+    cmd = [sys.executable, "-m", "edgefinfer", "serve", model, "--port", str(port), "--threads", "1", *args]
+    with open(log, "ab") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode} before it answered /health")
+        try:
+            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError("the server did not become healthy")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(30)
+
+
+# ------------------------------------------------------------------------------------------ SIGTERM
+_DRAINED = re.compile(r"drained: (\d+) request\(s\) in flight at the signal, (\d+) ended at the grace deadline "
+                      r"\(finish_reason abort\), (\d+) response\(s\) unsent, (\d+) KV block\(s\) in use")
+
+
+def sigterm_under_load(model: str, log: Path, streams: int = 32, max_tokens: int = 64, grace_s: float = 20.0,
+                       serve_args: tuple[str, ...] = ()) -> dict:
+    """Start `streams` streaming completions, SIGTERM the server once all of them have produced a token,
+    then send a new request. Returns how every stream ended (finish_reason, or "lost": an error or a cut
+    connection), the new request's status and error, the exit code, and the server's drain report."""
+    import openai
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start_serve(model, port, "--max-num-seqs", str(streams), "--shutdown-grace-s", str(grace_s),
+                       *serve_args, log=log)
+    try:
+        wait_healthy(url, proc)
+        name = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+
+        async def scenario() -> tuple[list[str], httpx.Response, float]:
+            client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120,
+                                        http_client=httpx.AsyncClient(limits=httpx.Limits(max_connections=streams)))
+            started = asyncio.Semaphore(0)
+
+            async def one(i: int) -> str:
+                try:
+                    stream = await client.completions.create(model=name, prompt=f"Stream {i}:", max_tokens=max_tokens,
+                                                             temperature=0, stream=True,
+                                                             extra_body={"ignore_eos": True})
+                    reason, first = None, True
+                    async for chunk in stream:
+                        if first:
+                            started.release()
+                            first = False
+                        for c in chunk.choices:
+                            reason = c.finish_reason or reason
+                    return reason or "lost"
+                except Exception as e:  # the stream broke: that is a lost request
+                    if first:
+                        started.release()
+                    return f"lost: {type(e).__name__}"
+
+            tasks = [asyncio.ensure_future(one(i)) for i in range(streams)]
+            for _ in range(streams):
+                await started.acquire()
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.2)  # the signal is handled between two bytecodes of the server's loop
+            async with httpx.AsyncClient() as h:
+                refused = await h.post(url + "/v1/completions", json={"model": name, "prompt": "late", "max_tokens": 2})
+            reasons = await asyncio.gather(*tasks)
+            await client.close()
+            return reasons, refused, time.monotonic() - t0
+
+        reasons, refused, drain_s = asyncio.run(scenario())
+        exit_code = proc.wait(timeout=grace_s + 60)
+    finally:
+        stop(proc)
+    drained = _DRAINED.findall(log.read_text(errors="replace"))
+    report = dict(zip(("in_flight", "ended", "unsent", "kv_used"), map(int, drained[-1]))) if drained else {}
+    ends = collections.Counter(r if not r.startswith("lost") else "lost" for r in reasons)
+    return {"exit_code": exit_code, "streams": streams, "grace_s": grace_s, "finish_reasons": dict(ends),
+            "lost": ends.get("lost", 0), "lost_errors": sorted({r for r in reasons if r.startswith("lost")}),
+            "new_request_status": refused.status_code, "new_request_body": refused.json(),
+            "seconds_to_last_stream": round(drain_s, 2), "drain_report": report}
+
+
+def kill9_restart(model: str, log: Path) -> dict:
+    """SIGKILL a serving server mid-request, start it again on the same port: it must come back healthy
+    and answer (the listening socket is bound with SO_REUSEADDR, so TIME_WAIT does not block it)."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start_serve(model, port, log=log)
+    try:
+        wait_healthy(url, proc)
+        name = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        with httpx.stream("POST", url + "/v1/completions", json={"model": name, "prompt": "Hi", "max_tokens": 200,
+                                                                 "ignore_eos": True, "stream": True}) as r:
+            next(r.iter_lines())
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(30)
+        killed_code = proc.returncode
+        t0 = time.monotonic()
+        proc = start_serve(model, port, log=log)
+        wait_healthy(url, proc)
+        restart_s = time.monotonic() - t0
+        answer = httpx.post(url + "/v1/completions", json={"model": name, "prompt": "Hi", "max_tokens": 4,
+                                                           "ignore_eos": True}, timeout=60)
+        metrics = httpx.get(url + "/metrics").text
+    finally:
+        stop(proc)
+    used = re.search(r'^edgefinfer_kv_blocks\{state="used"\} (\S+)$', metrics, re.M)
+    return {"killed_exit_code": killed_code, "restart_s": round(restart_s, 2), "status_after": answer.status_code,
+            "completion_tokens_after": answer.json().get("usage", {}).get("completion_tokens"),
+            "kv_used_after": float(used.group(1)) if used else None}
