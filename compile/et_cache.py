@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from edgefinfer import artefact
 from edgefinfer.atomic import user_mode
 
 # The exporter modules whose source is part of the key: editing them invalidates old programs.
@@ -48,6 +49,7 @@ def export_key(model: nn.Module, opts: dict[str, Any]) -> str:
     here = Path(__file__).parent
     for src in SOURCES:
         h.update((here / src).read_bytes())
+    h.update(Path(artefact.__file__).read_bytes())  # writes the program's constant methods
     seen: set[int] = set()
     for name, t in sorted(model.state_dict().items()):
         if t.data_ptr() in seen:  # tied weights are hashed once (their names still are)

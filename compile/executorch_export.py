@@ -42,6 +42,7 @@ from typing import Any, Callable, Iterator, Literal
 import torch
 from torch import nn
 
+from edgefinfer.artefact import ArtefactSpec, KVCache, write_spec
 from edgefinfer.compile.et_attention import EtRingCache, EtStaticCache, ExportableLM, swap_attention
 from edgefinfer.compile.et_cache import copy_atomic, default_store, export_key, lookup, store_program, write_atomic
 from edgefinfer.compile.et_quant import (QUANTIZED_SCHEMES, SCHEMES, check_xnnpack_layout, is_quantized,
@@ -64,7 +65,6 @@ NEUROPILOT_COMPILE_OPTIONS = (("gno", b"LTS"), ("gno-exp", b""), ("gno-non-4d-ti
 
 # Kernel libraries a .pte from this exporter may need registered before it is loaded.
 RUNTIME_KERNEL_MODULES = ("executorch.kernels.quantized", "executorch.extension.llm.custom_ops.custom_ops")
-UNBOUNDED_CONTEXT = 1 << 30  # what a window cache reports as its context (it has none)
 
 
 # ---- public API ----------------------------------------------------------------------------------------
@@ -129,7 +129,8 @@ def export_pte(model: Transformer, out_path: str | Path, *, recipe: Recipe = "fp
     if opts["delegate"] == "neuropilot":
         with _stage(f"quantize {opts['scheme']} (NeuropilotQuantizer)", say, stages):
             exported = _neuropilot_quantize(exported, example, opts, model.config.vocab_size)
-    methods = runner_metadata(prepared, opts)
+    spec = artefact_spec(prepared, opts)
+    methods = write_spec(spec, "pte")
     with _stage(f"lower ({opts['delegate']})", say, stages):
         edge = _lower(exported, methods, opts)
     with _stage("to_executorch", say, stages):
@@ -138,18 +139,14 @@ def export_pte(model: Transformer, out_path: str | Path, *, recipe: Recipe = "fp
         write_atomic(out_path, program.buffer)
 
     meta = {
-        "format": "pte",
+        **write_spec(spec, "manifest"),  # format, recipe, kv, inputs, outputs
         "backend": "executorch",
         "delegate": opts["delegate"],
-        "recipe": opts["recipe_name"],
         "scheme": opts["scheme"],
         "group_size": opts["group_size"] if opts["scheme"] == "8da4w" else None,
         "embedding_4bit": opts["embedding_4bit"],
-        "kv": {k: opts[k] for k in ("layout", "max_seq_len", "max_chunk", "window", "num_sinks", "lookahead")},
         "custom_ops": opts["custom_ops"],
         "all_logits": opts["all_logits"],
-        "inputs": ["tokens int64 [1, S]", "input_pos int64 [1] (position of tokens[0])"],
-        "outputs": [f"logits float32 [1, {'S' if opts['all_logits'] else '1'}, {model.config.vocab_size}]"],
         "methods": methods,
         "kernel_modules": list(RUNTIME_KERNEL_MODULES),
         "size_bytes": out_path.stat().st_size,
@@ -165,28 +162,17 @@ def export_pte(model: Transformer, out_path: str | Path, *, recipe: Recipe = "fp
     return meta
 
 
-def runner_metadata(model: Transformer, opts: dict[str, Any]) -> dict[str, Any]:
-    """Constant methods stored in the program: ExecuTorch's runner keys and ours (`edgefinfer_*`)."""
+def artefact_spec(model: Transformer, opts: dict[str, Any]) -> ArtefactSpec:
+    """The program's description, stored as its constant methods (`edgefinfer.artefact` writes them:
+    ExecuTorch's runner keys and ours) and in the manifest."""
     cfg = model.config
-    static = opts["layout"] == "static"
-    return {
-        # ExecuTorch's LLM runners: max tokens per forward, and positions the cache addresses.
-        "get_max_seq_len": opts["max_chunk"],
-        "get_max_context_len": opts["max_seq_len"] if static else UNBOUNDED_CONTEXT,
-        "get_vocab_size": cfg.vocab_size,
-        "get_n_layers": cfg.num_hidden_layers,
-        "get_bos_id": opts["bos_id"],
-        "get_eos_ids": opts["eos_ids"],
-        "use_kv_cache": True,
-        "enable_dynamic_shape": opts["max_chunk"] > 1,
-        "use_sdpa_with_kv_cache": False,
-        # Ours: what ExecuTorchBackend needs to drive the cache.
-        "edgefinfer_window": opts["window"] or 0,
-        "edgefinfer_num_sinks": opts["num_sinks"],
-        "edgefinfer_lookahead": opts["lookahead"] or 0,
-        "edgefinfer_all_logits": opts["all_logits"],
-        "edgefinfer_format_version": 1,
-    }
+    kv = KVCache(opts["layout"], max_seq_len=opts["max_seq_len"], window=opts["window"], sinks=opts["num_sinks"],
+                 lookahead=opts["lookahead"], max_chunk=opts["max_chunk"])
+    return ArtefactSpec("pte", kv, recipe_name=opts["recipe_name"], vocab_size=cfg.vocab_size,
+                        num_layers=cfg.num_hidden_layers, all_logits=opts["all_logits"],
+                        bos_id=opts["bos_id"] if opts["bos_id"] >= 0 else None, eos_ids=tuple(opts["eos_ids"]),
+                        inputs=("tokens int64 [1, S]", "input_pos int64 [1] (position of tokens[0])"),
+                        outputs=(f"logits float32 [1, {'S' if opts['all_logits'] else '1'}, {cfg.vocab_size}]",))
 
 
 def pte_delegates(path: str | Path) -> dict[str, Any]:

@@ -43,6 +43,7 @@ import onnx_ir as ir
 import torch
 from torch import nn
 
+from edgefinfer.artefact import ArtefactSpec, KVCache, write_spec
 from edgefinfer.checkpoint import TOKENIZER_FILES
 from edgefinfer.compile.onnx_graph import MS_DOMAIN, GraphBuilder, ir_dtype, save_model
 from edgefinfer.compile.onnx_weights import (EmbeddingSpec, FloatEmbedding, FloatLinear, LinearSpec, NBitsLinear,
@@ -58,7 +59,6 @@ KVLayout = Literal["static", "window"]
 WEIGHTS: tuple[str, ...] = ("fp32", "fp16", "int8", "int4")
 MODEL_FILE = "model.onnx"
 GENAI_CONFIG = "genai_config.json"
-GRAPH_KIND = "gqa"  # metadata tag read by the runtime (the QNN graph is "static-decode")
 
 
 # ---- public API -----------------------------------------------------------------------------------
@@ -105,19 +105,17 @@ def export_onnx(model: Transformer, out_dir: str | Path, *, weights: Weights | N
     io = _declare_io(builder, cfg, io_dtype, slots if kv == "window" else None)
     _DecoderGraph(builder, model, io_dtype, window, max_seq_len, accuracy_level, pack_gate_up).emit(io)
     kind = recipe or ("fp16" if io_dtype == np.float16 else _weights_label(model))
-    metadata = {
-        "edgefinfer.graph": GRAPH_KIND,
-        "edgefinfer.kv": kv,
-        "edgefinfer.max_seq_len": "" if max_seq_len is None else str(max_seq_len),
-        "edgefinfer.window": "" if window is None else str(window),
-        "edgefinfer.cache_slots": "" if kv == "static" else str(slots),
-        "edgefinfer.weights": kind,
-        "edgefinfer.vocab_size": str(cfg.vocab_size),
-        "edgefinfer.num_layers": str(cfg.num_hidden_layers),
-    }
+    streams = kv == "window"
+    spec = ArtefactSpec(
+        "onnx", KVCache(kv, max_seq_len=max_seq_len, window=window, slots=slots if streams else None,
+                        lookahead=slots - window if streams else None),
+        recipe_name=kind, vocab_size=cfg.vocab_size, num_layers=cfg.num_hidden_layers,
+        inputs=("input_ids", "position_ids" if streams else "attention_mask",
+                *_kv_names("past_key_values", cfg.num_hidden_layers)),
+        outputs=("logits", *_kv_names("present", cfg.num_hidden_layers)))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    files = save_model(builder.model(metadata), out / filename)
+    files = save_model(builder.model(write_spec(spec, "onnx")), out / filename)
     genai = [GENAI_CONFIG] if kv == "static" else []
     if genai:
         (out / GENAI_CONFIG).write_text(json.dumps(genai_config(cfg, filename, max_seq_len), indent=2) + "\n")
@@ -125,18 +123,14 @@ def export_onnx(model: Transformer, out_dir: str | Path, *, weights: Weights | N
     for name in copied:
         shutil.copyfile(Path(tokenizer_dir) / name, out / name)
     return {
+        **write_spec(spec, "manifest"),  # format, recipe, kv, inputs, outputs
         "files": [f.name for f in files] + genai + copied,
         "model_file": filename,
         "weights": kind,
         "opset": builder.opset,
-        "inputs": ["input_ids", "attention_mask" if kv == "static" else "position_ids"]
-        + _kv_names("past_key_values", cfg.num_hidden_layers),
-        "outputs": ["logits"] + _kv_names("present", cfg.num_hidden_layers),
         "kv_layout": {"format": "BNSH", "shape": ["batch", cfg.num_key_value_heads, slots or max_seq_len, cfg.dim_per_head],
                       "dtype": np.dtype(io_dtype).name, "past_present_share_buffer": True,
                       "sliding_window_cache": kv == "window"},
-        "kv": {"layout": kv, "max_seq_len": max_seq_len, "window": window,
-               "lookahead": None if kv == "static" else slots - window},
         "max_seq_len": max_seq_len,
         "window": window,
         "accuracy_level": accuracy_level,

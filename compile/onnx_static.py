@@ -31,13 +31,13 @@ import numpy as np
 import onnx_ir as ir
 from torch import nn
 
+from edgefinfer.artefact import ArtefactSpec, KVCache, write_spec
 from edgefinfer.compile.onnx_export import rope_tables
 from edgefinfer.compile.onnx_graph import GraphBuilder, save_model
 from edgefinfer.compile.quant.modules import QUANT_MODULES
 from edgefinfer.errors import UserError
 from edgefinfer.model import Transformer
 
-GRAPH_KIND = "static-decode"
 MASK_OFF = -100.0  # must equal edgefinfer.runtime.backends.ort.MASK_OFF
 
 
@@ -170,10 +170,10 @@ def export_static_decode(model: Transformer, path, *, cache_slots: int, chunk: i
     for i, (k, v) in enumerate(presents):
         b.output(k, f"present.{i}.key", ir.DataType.FLOAT, [1, Hkv, S, D])
         b.output(v, f"present.{i}.value", ir.DataType.FLOAT, [1, Hkv, S, D])
-    metadata = {"edgefinfer.graph": GRAPH_KIND, "edgefinfer.window": str(window), "edgefinfer.cache_slots": str(W),
-                "edgefinfer.chunk": str(S), "edgefinfer.max_seq_len": str(max_seq_len),
-                "edgefinfer.vocab_size": str(cfg.vocab_size), "edgefinfer.num_layers": str(cfg.num_hidden_layers)}
-    files = save_model(b.model(metadata), path)
+    # A ring of W slots that the host owns; max_seq_len bounds the RoPE table, not the stream.
+    spec = ArtefactSpec("onnx-static", KVCache("window", max_seq_len=max_seq_len, window=window, slots=W, max_chunk=S),
+                        vocab_size=cfg.vocab_size, num_layers=cfg.num_hidden_layers)
+    files = save_model(b.model(write_spec(spec, "onnx")), path)
     return {"files": [f.name for f in files], "cache_slots": W, "chunk": S, "window": window,
             "max_seq_len": max_seq_len,
             "kv_layout": {"format": "BNSH ring", "shape": [1, Hkv, W, D], "slot": "position % cache_slots"}}

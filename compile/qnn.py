@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
+from edgefinfer.artefact import ONNX_GRAPHS, read_spec
 from edgefinfer.compile.onnx_graph import read_metadata
 from edgefinfer.compile.onnx_static import export_static_decode
 from edgefinfer.errors import UserError
@@ -208,5 +209,5 @@ def build_qnn(model: Transformer, out_dir: str | Path, *, soc: str = "sm8650", c
             "scheme": scheme, "calibration_calls": calibration_calls,
             "soc": target.name, "soc_model": target.soc_model, "htp_arch": target.htp_arch,
             "seconds": round(time.perf_counter() - t0, 2),
-            "graph": read_metadata(out / QDQ_FILE).get("edgefinfer.graph")}
+            "graph": ONNX_GRAPHS[read_spec("onnx", read_metadata(out / QDQ_FILE)).format]}
 

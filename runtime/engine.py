@@ -22,7 +22,7 @@ import psutil
 
 from edgefinfer.errors import UserError
 from edgefinfer.generation import Generation, detokenize, encode_prompt
-from edgefinfer.runtime.backends.base import UNBOUNDED, Backend
+from edgefinfer.runtime.backends.base import Backend
 from edgefinfer.runtime.decode import Speculation, generate_tokens
 from edgefinfer.sampling import SamplingParams
 from edgefinfer.tokenizer import Tokenizer
@@ -99,7 +99,6 @@ def open_backend(path: str | Path, kind: str | None = None, kv: KVSpec = KVSpec(
     path = Path(path)
     if not path.exists():
         raise UserError(f"{path} does not exist (give a bundle folder, .pte, .onnx, .gguf or HF folder)")
-    window = kv.window if kv.kind == "window" else None
     if path.is_dir() and (path / "manifest.json").is_file():
         manifest = load_manifest(path)
         art = manifest.artefact("model", kind) if kind else manifest.artefact("model")
@@ -108,16 +107,16 @@ def open_backend(path: str | Path, kind: str | None = None, kv: KVSpec = KVSpec(
         if art.format == "qnn-context":  # static graphs: QNN EP (HTP / emulator) or CPU EP, see open_qnn
             from edgefinfer.runtime.backends.ort import open_qnn
 
-            if window is not None or kv.block_size is not None:
+            if kv.kind != "static":
                 raise UserError("a QNN bundle's cache is fixed at build time (a window of --max-seq-len slots); "
                                 "drop --kv")
             backend = open_qnn(path, art.meta, threads=threads)
         else:
-            backend = _open(path / art.path, art.backend, window, kv.sinks, threads, max_seq_len, kv.block_size)
+            backend = _open(path / art.path, art.backend, kv, threads, max_seq_len)
         eos = _eos_ids(manifest.model.get("config", {}))
         return backend, Tokenizer.from_dir(path), {"bundle": manifest.target, "artefact": art.path, "eos_ids": eos}
     backend_kind = kind or _guess_backend(path)
-    backend = _open(path, backend_kind, window, kv.sinks, threads, max_seq_len, kv.block_size)
+    backend = _open(path, backend_kind, kv, threads, max_seq_len)
     folder = path if path.is_dir() else path.parent
     cfg = json.loads((folder / "config.json").read_text()) if (folder / "config.json").is_file() else {}
     return backend, _tokenizer_for(path, backend_kind), {"artefact": str(path), "eos_ids": _eos_ids(cfg)}
@@ -135,9 +134,9 @@ def _guess_backend(path: Path) -> str:
     raise UserError(f"cannot tell what {path} is: expected a bundle, .pte, .onnx, .gguf or HF folder")
 
 
-def _open(path: Path, kind: str | None, window: int | None, sinks: int, threads: int | None,
-          max_seq_len: int | None, block_size: int | None = None) -> Backend:
-    if block_size is not None and kind != "torch":
+def _open(path: Path, kind: str | None, kv: KVSpec, threads: int | None, max_seq_len: int | None) -> Backend:
+    window = kv.window if kv.kind == "window" else None
+    if kv.kind == "paged" and kind != "torch":
         raise UserError(f"--kv paged runs on the torch backend (and in `edgefinfer serve`), not on {kind}")
     if kind == "torch":
         from edgefinfer.checkpoint import load_model
@@ -147,11 +146,11 @@ def _open(path: Path, kind: str | None, window: int | None, sinks: int, threads:
             import torch
 
             torch.set_num_threads(threads)
-        if block_size is not None:
+        if kv.kind == "paged":
             from edgefinfer.runtime.backends.torch_paged import PagedTorchBackend
 
-            return PagedTorchBackend(load_model(path), block_size, max_seq_len)
-        return TorchBackend(load_model(path), max_seq_len=max_seq_len, window=window, num_sinks=sinks)
+            return PagedTorchBackend(load_model(path), kv.block_size, max_seq_len)
+        return TorchBackend(load_model(path), max_seq_len=max_seq_len, window=window, num_sinks=kv.sinks)
     if kind == "llamacpp":
         from edgefinfer.runtime.backends.llamacpp import LlamaCppBackend
 
@@ -159,25 +158,24 @@ def _open(path: Path, kind: str | None, window: int | None, sinks: int, threads:
     if kind == "executorch":
         from edgefinfer.runtime.backends.executorch import ExecuTorchBackend
 
-        return _check_window(ExecuTorchBackend(path, threads=threads), window, sinks)
+        return _check_cache(ExecuTorchBackend(path, threads=threads), kv)
     if kind == "onnxruntime":
         from edgefinfer.runtime.backends.ort import OrtBackend
 
-        return _check_window(OrtBackend(path, threads=threads, max_seq_len=max_seq_len), window, sinks)
+        return _check_cache(OrtBackend(path, threads=threads, max_seq_len=max_seq_len), kv)
     raise UserError(f"unknown backend {kind!r}: use torch, executorch, onnxruntime or llamacpp")
 
 
-def _check_window(backend: Backend, window: int | None, sinks: int) -> Backend:
-    """A compiled artefact's cache layout is fixed at export: `--kv window:N` must match it."""
-    if window is None:
+def _check_cache(backend: Backend, kv: KVSpec) -> Backend:
+    """A compiled artefact's cache layout is fixed at export (`backend.artefact.kv`, read from the
+    artefact's own metadata): `--kv window:N` must match it."""
+    if kv.kind != "window":
         return backend
-    streams = backend.max_seq_len >= UNBOUNDED
-    have = (backend.window, getattr(backend, "num_sinks", 0)) if streams else None
-    if have != (window, sinks):
-        what = f"a window cache of {have[0]} (sinks {have[1]})" if have else "a static cache"
-        raise UserError(f"{backend.name} artefacts fix their KV cache at export and this one has {what}; "
-                        f"rebuild with `edgefinfer build --kv window:{window}" + (f",sinks:{sinks}" if sinks else "")
-                        + "` or drop --kv")
+    have = backend.artefact.kv
+    if not (have.streams and (have.window, have.sinks or 0) == (kv.window, kv.sinks)):
+        raise UserError(f"{backend.name} artefacts fix their KV cache at export and this one has {have.describe()}; "
+                        f"rebuild with `edgefinfer build --kv window:{kv.window}"
+                        + (f",sinks:{kv.sinks}" if kv.sinks else "") + "` or drop --kv")
     return backend
 
 

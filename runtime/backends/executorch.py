@@ -2,7 +2,7 @@
 
 The program holds its KV cache in mutable buffers that persist between calls, so a backend is one
 sequence. The cache layout and limits are read from the program's own constant methods
-(`edgefinfer.compile.executorch_export` writes them): no side file is needed.
+(`edgefinfer.artefact` writes and reads them): no side file is needed.
 
 Rollback and reset are positional and cost nothing: a forward at `start_pos` hides every cached
 entry at a position >= start_pos (causality in the static cache; the ring cache marks those slots
@@ -27,6 +27,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from edgefinfer.artefact import read_spec
 from edgefinfer.errors import UserError
 from edgefinfer.runtime.backends.base import UNBOUNDED
 
@@ -58,13 +59,14 @@ class ExecuTorchBackend:
         if not path.is_file():
             raise UserError(f"ExecuTorch program {path} does not exist (export one with `edgefinfer build`)")
         register_kernels()
-        from executorch.runtime import Runtime
+        from executorch.runtime import Runtime, Verification
 
         if threads is not None:
             set_threads(threads)
         runtime = Runtime.get()
         try:
-            self._program = runtime.load_program(path)
+            # Minimal verification (the default) segfaults on a damaged flatbuffer; this refuses it.
+            self._program = runtime.load_program(path, verification=Verification.InternalConsistency)
         except (RuntimeError, ValueError) as e:
             raise UserError(f"{path} is not a loadable ExecuTorch program ({e}); re-export it") from None
         self.path = path
@@ -81,20 +83,18 @@ class ExecuTorchBackend:
             raise UserError(f"cannot load {path.name}: its forward method needs a delegate or kernel this "
                             f"ExecuTorch runtime lacks (it has {have}); Core ML programs run on Apple devices "
                             f"only ({e})") from None
-        self.vocab_size = int(self.methods["get_vocab_size"])
-        self.max_chunk = int(self.methods["get_max_seq_len"])  # tokens per call (the graph's bound)
-        window = int(self.methods.get("edgefinfer_window", 0))
-        self.window = window or None
-        self.num_sinks = int(self.methods.get("edgefinfer_num_sinks", 0))
-        self.lookahead = int(self.methods.get("edgefinfer_lookahead", 0)) or None
-        if self.window:  # rejected tokens must not have overwritten ring slots still inside the window
+        self.artefact = spec = read_spec("pte", self.methods)
+        self.vocab_size = spec.vocab_size
+        self.max_chunk = spec.kv.max_chunk  # tokens per call (the graph's bound)
+        self.window = spec.kv.window
+        self.num_sinks = spec.kv.sinks
+        self.lookahead = spec.kv.lookahead
+        if spec.kv.streams:  # rejected tokens must not have overwritten ring slots still inside the window
             self.max_draft_tokens = self.lookahead or 0
-        self.max_seq_len = UNBOUNDED if self.window else int(self.methods.get("get_max_context_len", self.max_chunk))
-        self.all_logits = bool(self.methods.get("edgefinfer_all_logits", False))
-        eos = self.methods.get("get_eos_ids", [])
-        self.eos_ids = [int(e) for e in (eos if isinstance(eos, list) else [eos])]
-        bos = int(self.methods.get("get_bos_id", -1))
-        self.bos_id = bos if bos >= 0 else None
+        self.max_seq_len = UNBOUNDED if spec.kv.streams else spec.kv.max_seq_len
+        self.all_logits = spec.all_logits
+        self.eos_ids = list(spec.eos_ids)
+        self.bos_id = spec.bos_id
 
     def _constant(self, name: str):
         out = self._program.load_method(name).execute([])

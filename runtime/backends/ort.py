@@ -2,7 +2,7 @@
 (`OrtStaticBackend`, the Qualcomm QNN / NPU form). Both implement `Backend`.
 
 Nothing here imports the exporter (a phone has none): what a backend needs to know is read from
-the graph's inputs and its `edgefinfer.*` metadata.
+the graph's inputs and its metadata (`edgefinfer.artefact.read_spec`).
 
 OrtBackend keeps each layer's keys and values in one ONNX Runtime tensor of `max_seq_len` slots,
 bound through IO binding as both `past_key_values.i.*` and `present.i.*`; GroupQueryAttention then
@@ -30,6 +30,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from edgefinfer.artefact import read_spec
 from edgefinfer.errors import UserError
 from edgefinfer.ort_ep import import_ort as _import_ort
 from edgefinfer.ort_ep import qnn_context_session
@@ -119,9 +120,9 @@ class OrtBackend:
         self.path = resolve_model_path(onnx_dir_or_path)
         self.session = session or ort.InferenceSession(str(self.path), session_options(threads),
                                                        providers=list(providers or ["CPUExecutionProvider"]))
-        meta = self.session.get_modelmeta().custom_metadata_map
-        if meta.get("edgefinfer.graph", "gqa") != "gqa":
-            raise UserError(f"{self.path} is a {meta['edgefinfer.graph']!r} graph; run it with OrtStaticBackend")
+        self.artefact = spec = read_spec("onnx", self.session.get_modelmeta().custom_metadata_map)
+        if spec.format != "onnx":
+            raise UserError(f"{self.path} is a {spec.format!r} graph; run it with OrtStaticBackend")
         past = [i for i in self.session.get_inputs() if i.name.startswith("past_key_values.")]
         if not past:
             raise UserError(f"{self.path} has no past_key_values inputs: it is not a decoder with a KV cache")
@@ -130,15 +131,15 @@ class OrtBackend:
         self.kv_dtype = _ORT_TYPES[past[0].type]
         logits = next(o for o in self.session.get_outputs() if o.name == "logits")
         genai = _genai_decoder(self.path)  # a model-builder folder names its sizes only there
-        self.vocab_size = int(meta.get("edgefinfer.vocab_size") or logits.shape[-1])
-        self.window = int(meta["edgefinfer.window"]) if meta.get("edgefinfer.window") else None
+        self.vocab_size = spec.vocab_size or int(logits.shape[-1])
+        self.window = spec.kv.window
         n_kv = n_kv if isinstance(n_kv, int) else genai["num_key_value_heads"]
         head_dim = head_dim if isinstance(head_dim, int) else genai["head_size"]
-        if meta.get("edgefinfer.kv") == "window":
-            slots = int(meta["edgefinfer.cache_slots"])
+        if spec.kv.streams:
+            slots = spec.kv.slots
             self.max_seq_len = UNBOUNDED  # GQA evicts inside `slots`; positions have no table to outgrow
         else:
-            exported = int(meta.get("edgefinfer.max_seq_len") or genai.get("context_length", 2048))
+            exported = spec.kv.max_seq_len or int(genai.get("context_length", 2048))
             if max_seq_len is not None and not 0 < max_seq_len <= exported:
                 raise UserError(f"max_seq_len={max_seq_len} is outside the model's RoPE table (1..{exported}); "
                                 "re-export with a larger max_seq_len")
@@ -232,7 +233,7 @@ class _StaticGraph:
         self.pos_dtype = _ORT_TYPES[inputs["position_ids"].type]
         self.outputs = [o.name for o in session.get_outputs()]
         self.vocab_size = int(next(o for o in session.get_outputs() if o.name == "logits").shape[-1])
-        self.meta = session.get_modelmeta().custom_metadata_map
+        self.artefact = read_spec("onnx", session.get_modelmeta().custom_metadata_map)
 
 
 class OrtStaticBackend:
@@ -270,9 +271,9 @@ class OrtStaticBackend:
                             "with the same cache slots")
         self.n_layers, self.slots, self.vocab_size, self.kv_dtype = first.n_layers, first.slots, first.vocab_size, \
             first.kv_dtype
-        self.window = int(first.meta.get("edgefinfer.window") or self.slots)
+        self.window = first.artefact.kv.window or self.slots
         # The cache is a ring, so the stream is unbounded; RoPE tables bound the positions.
-        self.max_seq_len = int(first.meta.get("edgefinfer.max_seq_len", 1 << 30))
+        self.max_seq_len = first.artefact.kv.max_seq_len or UNBOUNDED
         self.observer = observer
         self.k = np.zeros((self.n_layers, 1, first.n_kv, self.slots, first.head_dim), self.kv_dtype)
         self.v = np.zeros_like(self.k)

@@ -1,0 +1,214 @@
+"""The typed description of an exported artefact: what an exporter writes and a runtime reads.
+
+An exporter fills an `ArtefactSpec` (format, recipe, KV cache, sizes, I/O names) and `write_spec`
+renders it for one carrier; the runtime gets it back with `read_spec`:
+
+    "onnx"      an ONNX model's metadata_props (`edgefinfer.*` string keys)
+    "pte"       an ExecuTorch program's constant methods (the keys ExecuTorch's LLM runners read,
+                plus ours, `edgefinfer_*`)
+    "manifest"  the part of a bundle manifest entry's `meta` that describes the artefact
+
+Every key lives in this module only, so the side that writes and the side that reads cannot drift
+apart. GGUF files describe themselves with llama.cpp's standard keys and need none of ours.
+
+This is foundation: it imports neither an exporter (a phone has none) nor a runtime.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping
+
+from edgefinfer.errors import UserError
+from edgefinfer.quant_recipe import QuantRecipe, parse_recipe
+
+Layout = Literal["static", "window"]
+Carrier = Literal["onnx", "pte", "manifest"]
+LAYOUTS: tuple[str, ...] = ("static", "window")
+
+# Artefact formats (a manifest entry's `format`) and the ONNX graph kind that tells the ONNX ones apart.
+ONNX_GRAPHS = {"onnx": "gqa", "onnx-static": "static-decode"}
+ONNX_PREFIX = "edgefinfer."
+PTE_FORMAT_VERSION = 1
+UNBOUNDED_CONTEXT = 1 << 30  # the context a window cache reports to ExecuTorch's runners (it has none)
+
+
+@dataclass(frozen=True)
+class KVCache:
+    """An artefact's KV cache, fixed when it is exported.
+
+    static: one slot per position up to `max_seq_len`. window: a buffer that keeps the last `window`
+    positions (and `sinks` first ones) and streams without a length limit; its `lookahead` spare
+    slots keep a multi-token step or a rollback exact.
+    """
+
+    layout: Layout = "static"
+    max_seq_len: int | None = None  # positions addressed: the static cache's, or a ring graph's RoPE table
+    window: int | None = None  # keys a query sees, itself included (None: the whole context)
+    sinks: int | None = None  # attention-sink slots (None: the format keeps none)
+    lookahead: int | None = None  # window: spare slots beyond the window
+    slots: int | None = None  # KV slots per layer where they are not max_seq_len (window buffers, rings)
+    max_chunk: int | None = None  # tokens one call takes (None: any number)
+
+    def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise UserError(f"unknown kv layout {self.layout!r}: use 'static' or 'window'")
+
+    @property
+    def streams(self) -> bool:
+        """A window cache: the stream has no length limit."""
+        return self.layout == "window"
+
+    def describe(self) -> str:
+        """How a one-line error names this cache."""
+        if not self.streams:
+            return "a static cache"
+        return f"a window cache of {self.window} (sinks {self.sinks or 0})"
+
+
+@dataclass(frozen=True)
+class ArtefactSpec:
+    """One exported artefact: what a runtime needs to know to drive it, and what the manifest records."""
+
+    format: str  # pte | onnx | onnx-static | qnn-context | gguf
+    kv: KVCache = KVCache()
+    recipe_name: str | None = None  # as the build named it: int4-g32-sym-emb4, 8da4w-g32, fp32, qdq-a16w8, ...
+    vocab_size: int | None = None
+    num_layers: int | None = None
+    all_logits: bool | None = None  # every new position's logits (None: the format always returns them)
+    bos_id: int | None = None
+    eos_ids: tuple[int, ...] = ()
+    inputs: tuple[str, ...] = ()
+    outputs: tuple[str, ...] = ()
+    metadata: Mapping[str, Any] = field(default_factory=dict)  # what else a manifest entry records
+
+    @property
+    def recipe(self) -> QuantRecipe | None:
+        """The recipe as a `QuantRecipe`; None for float weights and for recipes outside the
+        quantizer's grammar (QDQ activation schemes, llama.cpp's own quantizer, mixed labels)."""
+        if not self.recipe_name:
+            return None
+        try:
+            return parse_recipe(self.recipe_name)
+        except UserError:
+            return None
+
+
+def write_spec(spec: ArtefactSpec, carrier: Carrier) -> dict[str, Any]:
+    """`spec` as `carrier` stores it (see the module docstring); `read_spec` reverses it."""
+    if carrier == "onnx":
+        return _onnx_metadata(spec)
+    if carrier == "pte":
+        return _pte_methods(spec)
+    if carrier == "manifest":
+        return _manifest_meta(spec)
+    raise ValueError(f"unknown carrier {carrier!r}")
+
+
+def read_spec(carrier: Carrier, stored: Mapping[str, Any]) -> ArtefactSpec:
+    """The `ArtefactSpec` that `write_spec` stored in `stored`. Absent keys read as unknown (None), so
+    an ONNX model from another exporter (onnxruntime-genai's builder) reads as a plain GQA decoder."""
+    if carrier == "onnx":
+        return _from_onnx(stored)
+    if carrier == "pte":
+        return _from_pte(stored)
+    if carrier == "manifest":
+        return _from_manifest(stored)
+    raise ValueError(f"unknown carrier {carrier!r}")
+
+
+# ---- ONNX metadata_props: "edgefinfer.<key>" -> str --------------------------------------------------------
+
+def _onnx_metadata(spec: ArtefactSpec) -> dict[str, str]:
+    kv = spec.kv
+    fields = {"graph": ONNX_GRAPHS[spec.format], "kv": kv.layout, "max_seq_len": kv.max_seq_len,
+              "window": kv.window, "cache_slots": kv.slots, "chunk": kv.max_chunk, "weights": spec.recipe_name,
+              "vocab_size": spec.vocab_size, "num_layers": spec.num_layers}
+    return {ONNX_PREFIX + k: str(v) for k, v in fields.items() if v is not None}
+
+
+def _from_onnx(meta: Mapping[str, str]) -> ArtefactSpec:
+    def get(key: str) -> str | None:
+        return meta.get(ONNX_PREFIX + key) or None  # older exports wrote "" for unset
+
+    def number(key: str) -> int | None:
+        value = get(key)
+        return None if value is None else int(value)
+
+    graph = get("graph") or ONNX_GRAPHS["onnx"]
+    formats = {g: f for f, g in ONNX_GRAPHS.items()}
+    if graph not in formats:
+        raise UserError(f"unknown edgefinfer ONNX graph kind {graph!r} (this edgefinfer knows "
+                        f"{', '.join(formats)}); re-export the model")
+    # The static decode graph is a ring whatever its metadata says (older exports wrote no layout).
+    layout = "window" if graph == ONNX_GRAPHS["onnx-static"] else get("kv") or "static"
+    window, slots = number("window"), number("cache_slots")
+    # GQA's window buffer is the window plus its lookahead; the ring graph's slots are the window itself.
+    lookahead = slots - window if graph == ONNX_GRAPHS["onnx"] and layout == "window" and slots and window else None
+    kv = KVCache(layout, max_seq_len=number("max_seq_len"), window=window, slots=slots, max_chunk=number("chunk"),
+                 lookahead=lookahead)
+    return ArtefactSpec(formats[graph], kv, recipe_name=get("weights"), vocab_size=number("vocab_size"),
+                        num_layers=number("num_layers"))
+
+
+# ---- ExecuTorch constant methods -------------------------------------------------------------------------
+
+def _pte_methods(spec: ArtefactSpec) -> dict[str, Any]:
+    kv = spec.kv
+    return {
+        # ExecuTorch's LLM runners: max tokens per forward, and positions the cache addresses.
+        "get_max_seq_len": kv.max_chunk,
+        "get_max_context_len": UNBOUNDED_CONTEXT if kv.streams else kv.max_seq_len,
+        "get_vocab_size": spec.vocab_size,
+        "get_n_layers": spec.num_layers,
+        "get_bos_id": -1 if spec.bos_id is None else spec.bos_id,
+        "get_eos_ids": list(spec.eos_ids),
+        "use_kv_cache": True,
+        "enable_dynamic_shape": kv.max_chunk > 1,
+        "use_sdpa_with_kv_cache": False,
+        # Ours: what ExecuTorchBackend needs to drive the cache (0 = none: a method returns a value).
+        "edgefinfer_window": kv.window or 0,
+        "edgefinfer_num_sinks": kv.sinks or 0,
+        "edgefinfer_lookahead": kv.lookahead or 0,
+        "edgefinfer_all_logits": bool(spec.all_logits),
+        "edgefinfer_format_version": PTE_FORMAT_VERSION,
+    }
+
+
+def _from_pte(methods: Mapping[str, Any]) -> ArtefactSpec:
+    window = int(methods.get("edgefinfer_window", 0)) or None
+    max_chunk = int(methods["get_max_seq_len"])
+    kv = KVCache("window" if window else "static",
+                 max_seq_len=None if window else int(methods.get("get_max_context_len", max_chunk)),
+                 window=window, sinks=int(methods.get("edgefinfer_num_sinks", 0)),
+                 lookahead=int(methods.get("edgefinfer_lookahead", 0)) or None, max_chunk=max_chunk)
+    eos = methods.get("get_eos_ids", [])
+    bos = int(methods.get("get_bos_id", -1))
+    return ArtefactSpec("pte", kv, vocab_size=int(methods["get_vocab_size"]),
+                        num_layers=int(methods["get_n_layers"]) if "get_n_layers" in methods else None,
+                        all_logits=bool(methods.get("edgefinfer_all_logits", False)), bos_id=bos if bos >= 0 else None,
+                        eos_ids=tuple(int(e) for e in (eos if isinstance(eos, list) else [eos])))
+
+
+# ---- the bundle manifest ---------------------------------------------------------------------------------
+
+def _manifest_meta(spec: ArtefactSpec) -> dict[str, Any]:
+    kv = spec.kv
+    # max_chunk and num_sinks only where the format has them, so each entry says what its artefact holds.
+    cache = {"layout": kv.layout, "max_seq_len": kv.max_seq_len,
+             **({"max_chunk": kv.max_chunk} if kv.max_chunk is not None else {}), "window": kv.window,
+             **({"num_sinks": kv.sinks} if kv.sinks is not None else {}), "lookahead": kv.lookahead}
+    return {"format": spec.format, "recipe": spec.recipe_name, "kv": cache, "inputs": list(spec.inputs),
+            "outputs": list(spec.outputs)}
+
+
+def _from_manifest(meta: Mapping[str, Any]) -> ArtefactSpec:
+    """`meta`: a manifest entry's meta with the entry's own `format` and `recipe` fields merged in."""
+    cache = meta.get("kv") if isinstance(meta.get("kv"), dict) else {}
+    try:
+        kv = KVCache(cache.get("layout", "static"), max_seq_len=cache.get("max_seq_len"), window=cache.get("window"),
+                     sinks=cache.get("num_sinks"), lookahead=cache.get("lookahead"), max_chunk=cache.get("max_chunk"))
+    except UserError as e:
+        raise UserError(f"the manifest's kv entry is malformed ({e}); rebuild the bundle") from None
+    return ArtefactSpec(str(meta.get("format", "")), kv, recipe_name=meta.get("recipe"), inputs=tuple(meta.get("inputs", ())),
+                        outputs=tuple(meta.get("outputs", ())), metadata=dict(meta))
