@@ -12,6 +12,15 @@ from typing import Any
 
 from edgefinfer.errors import UserError
 
+
+
+def normalize_eos_ids(eos_token_id: int | list[int] | tuple[int, ...] | None) -> tuple[int, ...]:
+    """A config's `eos_token_id` (one id, a list of them, or None) as a tuple of ids."""
+    if eos_token_id is None:
+        return ()
+    return tuple(eos_token_id) if isinstance(eos_token_id, (list, tuple)) else (eos_token_id,)
+
+
 # HF `architectures[0]` / `model_type` we implement, mapped to our family name.
 _ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -71,9 +80,7 @@ class ModelConfig:
 
     @property
     def eos_token_ids(self) -> list[int]:
-        if self.eos_token_id is None:
-            return []
-        return list(self.eos_token_id) if isinstance(self.eos_token_id, (list, tuple)) else [self.eos_token_id]
+        return list(normalize_eos_ids(self.eos_token_id))
 
     @property
     def architecture(self) -> str:

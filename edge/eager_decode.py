@@ -80,7 +80,7 @@ def stream_text(model: Transformer, tokenizer: Tokenizer, prompt: str, max_new_t
     `result`, when given, is filled with the full text, ids, finish reason and statistics.
     """
     ids = encode_prompt(tokenizer, prompt, chat, add_special_tokens)
-    stop_ids = stop_token_ids(model.config, tokenizer)
+    stop_ids = stop_token_ids(model.config.eos_token_ids, tokenizer)
     result = result if result is not None else Generation("", [], "length")
     tokens = generate_ids(model, ids, max_new_tokens, params, stop_ids, stats=result.stats)
     yield from detokenize(tokenizer, tokens, stop_ids, stop, result, on_token)

@@ -8,7 +8,7 @@ loading torch (`edgefinfer.eager_decode` holds the eager torch token loop).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from edgefinfer.tokenizer import IncrementalDecoder, Tokenizer
 
@@ -78,9 +78,9 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str, chat: bool, add_special_tok
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
-def stop_token_ids(config, tokenizer: Tokenizer) -> tuple[int, ...]:
-    """End-of-sequence ids: the model config's and the tokenizer's."""
-    ids = list(config.eos_token_ids) + [i for i in [tokenizer.eos_id] if i is not None]
+def stop_token_ids(eos_ids: Iterable[int], tokenizer: Tokenizer) -> tuple[int, ...]:
+    """The ids that end a generation: the model's end-of-sequence ids, then the tokenizer's, each once."""
+    ids = [*eos_ids, *([tokenizer.eos_id] if tokenizer.eos_id is not None else [])]
     return tuple(dict.fromkeys(ids))
 
 

@@ -20,8 +20,9 @@ from typing import Callable, Iterator
 
 import psutil
 
+from edgefinfer.config import normalize_eos_ids
 from edgefinfer.errors import UserError
-from edgefinfer.generation import Generation, detokenize, encode_prompt
+from edgefinfer.generation import Generation, detokenize, encode_prompt, stop_token_ids
 from edgefinfer.runtime.backends.base import Backend
 from edgefinfer.runtime.decode import Speculation, generate_tokens
 from edgefinfer.sampling import SamplingParams
@@ -113,13 +114,14 @@ def open_backend(path: str | Path, kind: str | None = None, kv: KVSpec = KVSpec(
             backend = open_qnn(path, art.meta, threads=threads)
         else:
             backend = _open(path / art.path, art.backend, kv, threads, max_seq_len)
-        eos = _eos_ids(manifest.model.get("config", {}))
+        eos = normalize_eos_ids(manifest.model.get("config", {}).get("eos_token_id"))
         return backend, Tokenizer.from_dir(path), {"bundle": manifest.target, "artefact": art.path, "eos_ids": eos}
     backend_kind = kind or _guess_backend(path)
     backend = _open(path, backend_kind, kv, threads, max_seq_len)
     folder = path if path.is_dir() else path.parent
     cfg = json.loads((folder / "config.json").read_text()) if (folder / "config.json").is_file() else {}
-    return backend, _tokenizer_for(path, backend_kind), {"artefact": str(path), "eos_ids": _eos_ids(cfg)}
+    eos = normalize_eos_ids(cfg.get("eos_token_id"))
+    return backend, _tokenizer_for(path, backend_kind), {"artefact": str(path), "eos_ids": eos}
 
 
 def _guess_backend(path: Path) -> str:
@@ -195,7 +197,7 @@ class Engine:
                  speculation: Speculation | None = None, info: dict | None = None):
         self.backend = backend
         self.tokenizer = tokenizer
-        self.eos_ids = tuple(dict.fromkeys([*eos_ids, *([tokenizer.eos_id] if tokenizer.eos_id is not None else [])]))
+        self.eos_ids = stop_token_ids(eos_ids, tokenizer)
         self.speculation = speculation
         self.info = info or {}
         self._lock = threading.Lock()  # one stream at a time owns the backend's cache
@@ -257,13 +259,6 @@ def _speculation(spec: SpeculativeOption, target: Backend, kv: KVSpec, threads: 
     # The draft is greedy: a deterministic proposal keeps verification lossless for any temperature.
     proposer = DraftModelProposer(step, rollback=draft.rollback, max_len=target.max_seq_len)
     return Speculation(proposer, k=spec.k)
-
-
-def _eos_ids(hf_config: dict) -> tuple[int, ...]:
-    eos = hf_config.get("eos_token_id")
-    if eos is None:
-        return ()
-    return tuple(eos) if isinstance(eos, list) else (eos,)
 
 
 def peak_rss_mb() -> float:

@@ -18,7 +18,9 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from edgefinfer.config import normalize_eos_ids
 from edgefinfer.errors import UserError
+from edgefinfer.generation import stop_token_ids
 from edgefinfer.server_gpu.engine import Engine, EngineConfig
 from edgefinfer.server_gpu.interface import Executor
 from edgefinfer.server_gpu.scheduler import SchedulerConfig
@@ -104,14 +106,12 @@ def _resolve(model: str) -> _Source:
         if art is None:
             raise UserError(f"bundle {path} has no GGUF model; build one with `edgefinfer build --target gpu-server`")
         eos = manifest.model.get("config", {}).get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (eos,) if eos is not None else None
+        eos_ids = normalize_eos_ids(eos) if eos is not None else None
         tok_dir = path if (path / "tokenizer.json").is_file() else None
         return _Source("gguf", path / art.path, tok_dir, eos_ids, manifest.model.get("name") or path.name)
     if (path / "config.json").is_file():
         cfg = json.loads((path / "config.json").read_text())
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (eos,) if eos is not None else ()
-        return _Source("hf", path, path, eos_ids, path.name)
+        return _Source("hf", path, path, normalize_eos_ids(cfg.get("eos_token_id")), path.name)
     raise UserError(f"cannot tell what {path} is: expected a .gguf, a bundle (manifest.json) or a HF folder "
                     f"(config.json)")
 
@@ -133,7 +133,7 @@ def _tokenizer(src: _Source) -> tuple[Tokenizer, tuple[int, ...]]:
         tokenizer, eos = _gguf_tokenizer(src.path, src.path.stat().st_mtime)
         if src.tokenizer_dir is not None:
             tokenizer = Tokenizer.from_dir(src.tokenizer_dir)
-    return tokenizer, tuple(dict.fromkeys([*eos, *([tokenizer.eos_id] if tokenizer.eos_id is not None else [])]))
+    return tokenizer, stop_token_ids(eos, tokenizer)
 
 
 def _llamacpp(src: _Source, opts: ServeOptions) -> tuple[Executor, Tokenizer, tuple[int, ...]]:
@@ -181,8 +181,7 @@ def _torch(src: _Source, opts: ServeOptions) -> tuple[Executor, Tokenizer, tuple
                              block_size=opts.block_size, num_blocks=opts.kv_blocks, device=opts.device,
                              kv_dtype=kv_dtype)
     eos = src.eos_ids if src.eos_ids else tuple(model.config.eos_token_ids)
-    stop_ids = tuple(dict.fromkeys([*eos, *([tokenizer.eos_id] if tokenizer.eos_id is not None else [])]))
-    return executor, tokenizer, stop_ids
+    return executor, tokenizer, stop_token_ids(eos, tokenizer)
 
 
 def _speculation(opts: ServeOptions, src: _Source, backend: str, executor: Executor) -> SpeculationConfig | None:

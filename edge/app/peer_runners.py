@@ -212,11 +212,12 @@ def _check_genai(bundle: Path, target: str, model: Path, n: int) -> list[PeerRow
 
 def _stop_ids(bundle: Path) -> set[int]:
     from edgefinfer.bundle import load_manifest
-    from edgefinfer.runtime.engine import _eos_ids
+    from edgefinfer.config import normalize_eos_ids
+    from edgefinfer.generation import stop_token_ids
     from edgefinfer.tokenizer import Tokenizer
 
-    eos = Tokenizer.from_dir(bundle).eos_id
-    return set(_eos_ids(load_manifest(bundle, verify=False).model.get("config", {}))) | ({eos} - {None})
+    eos = normalize_eos_ids(load_manifest(bundle, verify=False).model.get("config", {}).get("eos_token_id"))
+    return set(stop_token_ids(eos, Tokenizer.from_dir(bundle)))
 
 
 def _without_stop(ids: list[int], stops: set[int]) -> list[int]:
@@ -294,12 +295,13 @@ def _check_llamacpp(bundle: Path, target: str, gguf: Path, n: int) -> list[PeerR
 def _check_qnn(bundle: Path, target: str, model: Path, n: int) -> list[PeerRow]:
     from edgefinfer.bundle import load_manifest
     from edgefinfer.runtime.backends.ort import open_qnn
-    from edgefinfer.runtime.engine import Engine, _eos_ids
+    from edgefinfer.config import normalize_eos_ids
+    from edgefinfer.runtime.engine import Engine
     from edgefinfer.tokenizer import Tokenizer
 
     manifest = load_manifest(bundle)
     meta, tokenizer = manifest.artefact("model").meta, Tokenizer.from_dir(bundle)
-    eos = _eos_ids(manifest.model.get("config", {}))
+    eos = normalize_eos_ids(manifest.model.get("config", {}).get("eos_token_id"))
     engines = {ep: Engine(open_qnn(bundle, meta, ep=ep, threads=1), tokenizer, eos) for ep in ("qnn", "cpu")}
     rows = []
     for name, prompt in _prompts(tokenizer).items():
