@@ -123,7 +123,7 @@ def test_8da8w_candidate_is_measured_quantized(tiny_dir):
 def test_llamacpp_quantizer_candidate_is_scored_on_the_file_it_writes(tmp_path, tiny_dir, monkeypatch):
     """llamacpp-q4_1 (llama.cpp's own rounding, float block minimum): the candidate is scored on the
     written file read back, and llama.cpp's measurement of the shipped file agrees with that score."""
-    from edgefinfer import build as build_mod
+    from edgefinfer.app import build as build_mod
 
     monkeypatch.setitem(build_mod.CANDIDATES, "gguf", ["int4-g32-sym", "llamacpp-q4_1"])
     build_mod.build(build_mod.BuildOptions(target="gpu-server", model=tiny_dir, out=tmp_path / "b", eval_tokens=256,
@@ -140,7 +140,7 @@ def test_llamacpp_quantizer_candidate_is_scored_on_the_file_it_writes(tmp_path, 
 def test_quality_budget_nobody_meets_fails_naming_the_best(tmp_path, tiny_dir, monkeypatch):
     """Without a float candidate to fall back on, a budget no quantized recipe meets is a one-line error
     naming the best candidate and its figure; nothing is written."""
-    from edgefinfer import build as build_mod
+    from edgefinfer.app import build as build_mod
 
     monkeypatch.setitem(build_mod.CANDIDATES, "gguf", ["int4-g64-sym", "int4-g32-sym-emb4", "int4-g32-sym"])
     dest = tmp_path / "b"

@@ -28,9 +28,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 
-from edgefinfer.artefact import KVCache
-from edgefinfer.bundle import BundleWriter
 from edgefinfer.app.bundle_readme import bundle_readme
+from edgefinfer.app.model_arg import DEFAULT_MODEL, resolve_model
+from edgefinfer.bundle import BundleWriter
 from edgefinfer.errors import UserError
 from edgefinfer.targets import Target, get_target
 
@@ -93,14 +93,14 @@ def build(opts: BuildOptions) -> Path:
     target = get_target(opts.target)
     target.check()  # a missing SDK fails here, before any work
     _check_budget(target, opts)
-    artefact_cache(target, opts.kv)  # so does a cache layout the target cannot have
+    artefact_window(target, opts.kv)  # so does a cache layout the target cannot have
     if opts.draft is not None and not Path(opts.draft).is_dir():
         raise UserError(f"draft model folder {opts.draft} does not exist")
     from edgefinfer.tokenizer import Tokenizer
 
     out = Path(opts.out) if opts.out else default_out(target.name)
     _remove_stale_temporaries(out)
-    folder = _model_folder(opts.model)
+    folder = resolve_model(str(opts.model) if opts.model is not None else DEFAULT_MODEL)
     log = StepLog()
     n_steps = 5
     done = log.step(1, n_steps, f"load {folder}")
@@ -198,19 +198,6 @@ def _load(folder: Path):
     return model, recipe.name
 
 
-def _model_folder(model: str | Path | None) -> Path:
-    from edgefinfer import reference
-
-    if model is None:
-        return reference.pull("smollm2-135m")
-    path = Path(model)
-    if path.exists():
-        return path
-    if str(model) in reference.MODELS:
-        return reference.pull(str(model))
-    raise UserError(f"model {model} does not exist (give a HF folder or one of {', '.join(reference.MODELS)})")
-
-
 def _runner_tokenizer(tokenizer, dialect: str, test_ids: list[int]):
     """The tokenizer rewritten into the forms the target's peer runner implements, checked on probe
     strings and the test text to give `tokenizers`' ids; a UserError naming what it cannot represent."""
@@ -287,7 +274,7 @@ def compile_artefact(target: Target, model, tokenizer, recipe: str, folder: Path
                      opts: BuildOptions) -> tuple[list[str], dict]:
     """Write the target's artefact(s) into `folder`; returns (files, metadata), the main file first."""
     eos = model.config.eos_token_ids
-    cache = artefact_cache(target, opts.kv)
+    window, sinks = artefact_window(target, opts.kv) or (None, 0)
     if target.format == "gguf":
         from edgefinfer.compile.gguf_export import export_gguf
 
@@ -303,20 +290,20 @@ def compile_artefact(target: Target, model, tokenizer, recipe: str, folder: Path
         # A quantized model goes as it is (8da4w if any linear is 4-bit, else 8da8w).
         et_recipe = (scheme_of(model) if is_quantized(model) else
                      recipe if recipe in ("fp32", "fp16", "8da8w") or recipe.startswith("qdq-") else "8da4w")
-        options = (dict(kv="window", window=cache.window, num_sinks=cache.sinks) if cache.streams else
-                   dict(kv="static", max_seq_len=opts.max_seq_len))
+        cache = (dict(kv="window", window=window, num_sinks=sinks) if window else
+                 dict(kv="static", max_seq_len=opts.max_seq_len))
         if target.delegate == "neuropilot":  # its static quantizer observes calibration text
             from edgefinfer.data import load_text
 
-            options["calibration"] = [tokenizer.encode(load_text("calib")[:8000])[:256]]
+            cache["calibration"] = [tokenizer.encode(load_text("calib")[:8000])[:256]]
         meta = export_pte(model, folder / "model.pte", recipe=et_recipe, backend=target.delegate or "xnnpack",
-                          bos_id=tokenizer.bos_id, eos_ids=list(eos), **options)
+                          bos_id=tokenizer.bos_id, eos_ids=list(eos), **cache)
         return ["model.pte"], meta
     if target.format == "onnx":
         from edgefinfer.compile.onnx_export import export_onnx
 
-        meta = export_onnx(model, folder, **(dict(kv="window", window=cache.window) if cache.streams else
-                                             dict(kv="static", max_seq_len=opts.max_seq_len)))
+        cache = dict(kv="window", window=window) if window else dict(kv="static", max_seq_len=opts.max_seq_len)
+        meta = export_onnx(model, folder, **cache)
         files = [meta["model_file"]] + [f for f in meta["files"] if f != meta["model_file"]]
         return files, meta
     if target.format == "qnn-context":
@@ -335,13 +322,15 @@ def compile_artefact(target: Target, model, tokenizer, recipe: str, folder: Path
     raise UserError(f"target {target.name}: format {target.format} has no exporter")
 
 
-def artefact_cache(target: Target, kv: str | None) -> KVCache:
-    """The KV cache `--kv` asks the artefact to be exported with (parsed once, here)."""
+def artefact_window(target: Target, kv: str | None) -> tuple[int, int] | None:
+    """(window, sinks) that `--kv` asks the artefact to stream with; None for a static cache."""
+    if kv is None:
+        return None
     from edgefinfer.runtime.engine import KVSpec
 
     spec = KVSpec.parse(kv)
     if spec.kind == "static":
-        return KVCache("static")
+        return None
     if spec.kind != "window":
         raise UserError("--kv paged is chosen when running (edgefinfer run / serve), not built into an "
                         "artefact; build with --kv static or --kv window:N")
@@ -351,7 +340,7 @@ def artefact_cache(target: Target, kv: str | None) -> KVCache:
     if target.format == "onnx" and spec.sinks:
         raise UserError("ONNX Runtime's windowed cache keeps no attention sinks: use --kv window:N, or an "
                         "ExecuTorch target (android) for sinks")
-    return KVCache("window", window=spec.window, sinks=spec.sinks)
+    return spec.window, spec.sinks
 
 
 def evaluate_artefact(target: Target, path: Path, test_ids: list[int], float_ppl: float | None,
