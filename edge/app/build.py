@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 from edgefinfer.app.bundle_readme import bundle_readme
 from edgefinfer.app.model_arg import DEFAULT_MODEL, resolve_model
+from edgefinfer.artefact import KVCache
 from edgefinfer.bundle import BundleWriter
 from edgefinfer.errors import UserError
 from edgefinfer.targets import Target, get_target
@@ -93,7 +94,7 @@ def build(opts: BuildOptions) -> Path:
     target = get_target(opts.target)
     target.check()  # a missing SDK fails here, before any work
     _check_budget(target, opts)
-    artefact_window(target, opts.kv)  # so does a cache layout the target cannot have
+    artefact_cache(target, opts.kv)  # so does a cache layout the target cannot have
     if opts.draft is not None and not Path(opts.draft).is_dir():
         raise UserError(f"draft model folder {opts.draft} does not exist")
     from edgefinfer.tokenizer import Tokenizer
@@ -274,7 +275,7 @@ def compile_artefact(target: Target, model, tokenizer, recipe: str, folder: Path
                      opts: BuildOptions) -> tuple[list[str], dict]:
     """Write the target's artefact(s) into `folder`; returns (files, metadata), the main file first."""
     eos = model.config.eos_token_ids
-    window, sinks = artefact_window(target, opts.kv) or (None, 0)
+    cache = artefact_cache(target, opts.kv)
     if target.format == "gguf":
         from edgefinfer.compile.gguf_export import export_gguf
 
@@ -290,20 +291,20 @@ def compile_artefact(target: Target, model, tokenizer, recipe: str, folder: Path
         # A quantized model goes as it is (8da4w if any linear is 4-bit, else 8da8w).
         et_recipe = (scheme_of(model) if is_quantized(model) else
                      recipe if recipe in ("fp32", "fp16", "8da8w") or recipe.startswith("qdq-") else "8da4w")
-        cache = (dict(kv="window", window=window, num_sinks=sinks) if window else
-                 dict(kv="static", max_seq_len=opts.max_seq_len))
+        options = (dict(kv="window", window=cache.window, num_sinks=cache.sinks) if cache.streams else
+                   dict(kv="static", max_seq_len=opts.max_seq_len))
         if target.delegate == "neuropilot":  # its static quantizer observes calibration text
             from edgefinfer.data import load_text
 
-            cache["calibration"] = [tokenizer.encode(load_text("calib")[:8000])[:256]]
+            options["calibration"] = [tokenizer.encode(load_text("calib")[:8000])[:256]]
         meta = export_pte(model, folder / "model.pte", recipe=et_recipe, backend=target.delegate or "xnnpack",
-                          bos_id=tokenizer.bos_id, eos_ids=list(eos), **cache)
+                          bos_id=tokenizer.bos_id, eos_ids=list(eos), **options)
         return ["model.pte"], meta
     if target.format == "onnx":
         from edgefinfer.compile.onnx_export import export_onnx
 
-        cache = dict(kv="window", window=window) if window else dict(kv="static", max_seq_len=opts.max_seq_len)
-        meta = export_onnx(model, folder, **cache)
+        meta = export_onnx(model, folder, **(dict(kv="window", window=cache.window) if cache.streams else
+                                             dict(kv="static", max_seq_len=opts.max_seq_len)))
         files = [meta["model_file"]] + [f for f in meta["files"] if f != meta["model_file"]]
         return files, meta
     if target.format == "qnn-context":
@@ -322,15 +323,13 @@ def compile_artefact(target: Target, model, tokenizer, recipe: str, folder: Path
     raise UserError(f"target {target.name}: format {target.format} has no exporter")
 
 
-def artefact_window(target: Target, kv: str | None) -> tuple[int, int] | None:
-    """(window, sinks) that `--kv` asks the artefact to stream with; None for a static cache."""
-    if kv is None:
-        return None
+def artefact_cache(target: Target, kv: str | None) -> KVCache:
+    """The KV cache `--kv` asks the artefact to be exported with (parsed once, here)."""
     from edgefinfer.runtime.engine import KVSpec
 
     spec = KVSpec.parse(kv)
     if spec.kind == "static":
-        return None
+        return KVCache("static")
     if spec.kind != "window":
         raise UserError("--kv paged is chosen when running (edgefinfer run / serve), not built into an "
                         "artefact; build with --kv static or --kv window:N")
@@ -340,7 +339,7 @@ def artefact_window(target: Target, kv: str | None) -> tuple[int, int] | None:
     if target.format == "onnx" and spec.sinks:
         raise UserError("ONNX Runtime's windowed cache keeps no attention sinks: use --kv window:N, or an "
                         "ExecuTorch target (android) for sinks")
-    return spec.window, spec.sinks
+    return KVCache("window", window=spec.window, sinks=spec.sinks)
 
 
 def evaluate_artefact(target: Target, path: Path, test_ids: list[int], float_ppl: float | None,
