@@ -28,6 +28,7 @@ from typing import Any
 
 from edgefinfer.atomic import atomic_dir
 from edgefinfer.errors import UserError
+from edgefinfer.model_files import read_json
 
 FORMAT = "edgefinfer-bundle"
 FORMAT_VERSION = 1
@@ -172,14 +173,7 @@ def load_manifest(path: str | Path, target: str | None = None, verify: bool = Tr
 
 
 def _read_manifest(file: Path) -> Any:
-    if file.stat().st_size > MAX_MANIFEST_BYTES:
-        raise UserError(f"{file} is {file.stat().st_size} bytes, not a bundle manifest (at most "
-                        f"{MAX_MANIFEST_BYTES >> 20} MiB); rebuild the bundle")
-    try:
-        return json.loads(file.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
-        reason = "nested too deeply" if isinstance(e, RecursionError) else str(e).splitlines()[0][:120]
-        raise UserError(f"{file} is malformed ({reason}); rebuild the bundle") from None
+    return read_json(file, "rebuild the bundle", kind=object, max_bytes=MAX_MANIFEST_BYTES)  # types: parse_manifest
 
 
 # (key, types, required) of the manifest and of each artefact entry; everything else is refused.

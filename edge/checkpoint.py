@@ -19,6 +19,7 @@ from edgefinfer.atomic import atomic_dir
 from edgefinfer.config import ModelConfig
 from edgefinfer.errors import UserError
 from edgefinfer.model import Transformer, rope_inv_freq
+from edgefinfer.model_files import check_hf_config, read_json
 
 # Files that travel with the weights when a checkpoint is re-saved.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -40,10 +41,8 @@ def load_config(path: str | Path) -> ModelConfig:
     cfg_file = folder / "config.json"
     if not cfg_file.is_file():
         raise UserError(f"{folder} has no config.json: is it a Hugging Face model folder?")
-    try:
-        hf = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise UserError(f"{cfg_file} is not valid JSON ({e.msg} at line {e.lineno})") from None
+    hf = read_json(cfg_file, "fix it or re-download the model")
+    check_hf_config(hf, cfg_file)
     try:
         return ModelConfig.from_hf(hf)
     except KeyError as e:
@@ -55,10 +54,11 @@ def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     folder = _existing_folder(path)
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        try:
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError):
-            raise UserError(f"{index} is not a valid safetensors index (needs a 'weight_map')") from None
+        weight_map = read_json(index, "fix it or re-download the model").get("weight_map")
+        if not isinstance(weight_map, dict) or not all(_shard_name(v) for v in weight_map.values()):
+            raise UserError(f"{index} is not a valid safetensors index (needs a 'weight_map' of tensor name "
+                            f"-> file name in the folder)")
+        shards = sorted(set(weight_map.values()))
     elif (folder / "model.safetensors").is_file():
         shards = ["model.safetensors"]
     else:
@@ -70,7 +70,7 @@ def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
             raise UserError(f"shard {shard} listed in {index.name} is missing from {folder}")
         try:
             state.update(load_file(file))
-        except (SafetensorError, OSError) as e:
+        except (SafetensorError, OSError, ValueError, TypeError) as e:  # safetensors checks the header
             raise UserError(f"{file} is truncated or corrupt ({e}); re-download or re-save it") from None
     return state
 
@@ -158,6 +158,11 @@ def _write_weights(state: dict[str, torch.Tensor], folder: Path, max_shard_bytes
         weight_map.update(dict.fromkeys(shard, fname))
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _shard_name(name: object) -> bool:
+    """A plain file name: an index may not point outside its folder."""
+    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
 
 
 def _existing_folder(path: str | Path) -> Path:

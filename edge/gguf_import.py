@@ -37,6 +37,7 @@ from edgefinfer.checkpoint import save_model
 from edgefinfer.config import ModelConfig
 from edgefinfer.errors import UserError
 from edgefinfer.model import Transformer, rope_inv_freq
+from edgefinfer.model_files import check_gguf
 from edgefinfer.tokenizer import Tokenizer
 
 try:
@@ -133,24 +134,13 @@ def open_gguf(path: str | Path) -> GGUFFile:
     if gguf is None:
         raise UserError("reading GGUF files needs the gguf package: pip install 'edgefinfer[data]'")
     file = Path(path)
-    if file.is_dir():
-        raise UserError(f"{file} is a folder; pass the .gguf file itself")
-    if not file.is_file():
-        raise UserError(f"GGUF file {file} does not exist")
-    with file.open("rb") as f:
-        magic = f.read(4)
-    if magic != b"GGUF":
-        raise UserError(f"{file} is not a GGUF file: it starts with {magic!r}, not b'GGUF'")
+    check_gguf(file)  # bounds, counts and offsets first: gguf-py's own errors on damage are numpy's
     try:
         reader = gguf.GGUFReader(file)
     except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError):
         # gguf-py reports a short file as numpy shape errors; the cause for the user is one.
         raise UserError(f"{file} is truncated or corrupt: its header or tensor data ends early or does not parse "
                         f"({file.stat().st_size} bytes); re-download it") from None
-    size = file.stat().st_size
-    end = max((t.data_offset + t.n_bytes for t in reader.tensors), default=0)
-    if end > size:
-        raise UserError(f"{file} is truncated: its tensors need {end} bytes, the file has {size}; re-download it")
     return GGUFFile(file, reader)
 
 

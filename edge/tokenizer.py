@@ -15,6 +15,7 @@ import jinja2.sandbox
 from tokenizers import Tokenizer as HFTokenizer
 
 from edgefinfer.errors import UserError
+from edgefinfer.model_files import MAX_TOKENIZER_BYTES, check_file_size, read_json
 
 
 class Tokenizer:
@@ -33,14 +34,21 @@ class Tokenizer:
         tok_file = folder / "tokenizer.json"
         if not tok_file.is_file():
             raise UserError(f"{folder} has no tokenizer.json; edgefinfer needs a fast (tokenizers) tokenizer")
+        fix = "fix it or re-download the model's tokenizer files"
+        check_file_size(tok_file, MAX_TOKENIZER_BYTES, fix)
         try:
             backend = HFTokenizer.from_file(str(tok_file))
         except Exception as e:  # tokenizers raises a bare Exception on malformed files
-            raise UserError(f"{tok_file} could not be read: {e}") from None
-        cfg: dict[str, Any] = {}
+            raise UserError(f"{tok_file} could not be read: {str(e).splitlines()[0][:160]}; {fix}") from None
         cfg_file = folder / "tokenizer_config.json"
-        if cfg_file.is_file():
-            cfg = json.loads(cfg_file.read_text())
+        cfg = read_json(cfg_file, fix) if cfg_file.is_file() else {}
+        for key in ("bos_token", "eos_token"):
+            if cfg.get(key) is not None and _token_text(cfg[key]) is None:
+                raise UserError(f"{cfg_file}: {key} is neither a string nor {{\"content\": string}}; {fix}")
+        if not isinstance(cfg.get("chat_template"), (str, type(None))):
+            raise UserError(f"{cfg_file}: chat_template is not a string; {fix}")
+        if not isinstance(cfg.get("add_bos_token"), (bool, type(None))):
+            raise UserError(f"{cfg_file}: add_bos_token is not true or false; {fix}")
         template = cfg.get("chat_template")
         if (folder / "chat_template.jinja").is_file():
             template = (folder / "chat_template.jinja").read_text()
@@ -131,8 +139,8 @@ class IncrementalDecoder:
 def _token_text(token: Any) -> str | None:
     # tokenizer_config.json stores a special token as a string or as {"content": ...}.
     if isinstance(token, dict):
-        return token.get("content")
-    return token
+        token = token.get("content")
+    return token if isinstance(token, str) else None
 
 
 def _raise(message: str) -> None:

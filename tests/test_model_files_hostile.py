@@ -1,0 +1,298 @@
+"""Model files as untrusted input: a regression corpus of damaged and hostile GGUF, safetensors,
+config.json and tokenizer files (the bundle's manifest and paths: test_bundle_hostile.py).
+
+Each mutation must be refused with a one-line UserError, never a traceback, a hang or a native crash.
+Several GGUF mutations here make llama.cpp abort the process (block_count 0 or > 512, a NaN or negative
+norm epsilon), so they are checked with `check_gguf` in-process and through `edgefinfer run` in a
+subprocess, never handed to llama.cpp inside the test process."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from edgefinfer.bundle import MANIFEST
+from edgefinfer.checkpoint import load_model, save_model
+from edgefinfer.errors import UserError
+from edgefinfer.gguf_import import open_gguf
+from edgefinfer.model_files import check_gguf
+from edgefinfer.tokenizer import Tokenizer
+from tests.helpers import tiny_model, tiny_tokenizer
+
+
+def cli(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "edgefinfer", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("hostile") / "tiny"
+    tok = tiny_tokenizer(320)
+    save_model(tiny_model(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128,
+                          max_position_embeddings=256), folder)
+    tok.save(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def gpu_bundle(tiny_dir, tmp_path_factory) -> Path:
+    """A real gpu-server bundle (llama.cpp's Q4_1 of the tiny model): ~5 s."""
+    out = tmp_path_factory.mktemp("hostile") / "gpu"
+    proc = cli("build", "--target", "gpu-server", "--model", str(tiny_dir), "-o", str(out), "--eval-tokens", "64",
+               timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+# ---- GGUF ----------------------------------------------------------------------------------------------
+def _gguf_layout(data: bytes, tmp: Path) -> dict[str, int]:
+    """Offsets of the fields the mutations overwrite, found with gguf-py on the good file."""
+    import gguf
+
+    file = tmp / "layout.gguf"
+    file.write_bytes(data)
+    r = gguf.GGUFReader(file)
+
+    def value_at(key: str) -> int:  # offset of a scalar's value (string: of its length)
+        f = r.fields[key]
+        return f.offset + sum(p.nbytes for p in f.parts[:3])
+
+    t0 = r.tensors[0].field
+    t0_dims = t0.offset + t0.parts[0].nbytes + t0.parts[1].nbytes  # n_dims, then the dims
+    return {"key0": r.fields["general.architecture"].offset, "arch": value_at("general.architecture"),
+            "blocks": value_at("llama.block_count"), "eps": value_at("llama.attention.layer_norm_rms_epsilon"),
+            "tokens": value_at("tokenizer.ggml.tokens"), "n_dims": t0_dims, "dim0": t0_dims + 4,
+            "type0": t0_dims + 4 + 8 * len(r.tensors[0].shape), "offset0": t0_dims + 4 + 8 * len(r.tensors[0].shape) + 4,
+            "tensors": len(r.tensors)}
+
+
+def _put(data: bytes, offset: int, fmt: str, value) -> bytes:
+    out = bytearray(data)
+    struct.pack_into(fmt, out, offset, value)
+    return bytes(out)
+
+
+# name -> (mutation of the GGUF bytes given its layout, words the refusal must contain)
+GGUF_EDITS = {
+    "bad magic": (lambda d, at: b"GGUX" + d[4:], "not a GGUF file"),
+    "empty": (lambda d, at: b"", "not a GGUF file"),
+    "magic only": (lambda d, at: d[:4], "ends inside the version"),
+    "version 1": (lambda d, at: _put(d, 4, "<I", 1), "version 1"),
+    "version 99": (lambda d, at: _put(d, 4, "<I", 99), "version 99"),
+    "tensor count 2^63": (lambda d, at: _put(d, 8, "<Q", 1 << 63), "tensor count"),
+    "tensor count + 1": (lambda d, at: _put(d, 8, "<Q", at["tensors"] + 1), "tensor #"),
+    "metadata count 2^40": (lambda d, at: _put(d, 16, "<Q", 1 << 40), "metadata count"),
+    "key length 2^62": (lambda d, at: _put(d, at["key0"], "<Q", 1 << 62), "length of metadata key #0"),
+    "string length 2^40": (lambda d, at: _put(d, at["arch"], "<Q", 1 << 40), "general.architecture"),
+    "value type 99": (lambda d, at: _put(d, at["arch"] - 4, "<I", 99), "value type 99"),
+    "array count 2^60": (lambda d, at: _put(d, at["tokens"] + 4, "<Q", 1 << 60), "item count"),
+    "array item type 99": (lambda d, at: _put(d, at["tokens"], "<I", 99), "array of value type 99"),
+    "array of arrays": (lambda d, at: _put(d, at["tokens"], "<I", 9), "array of value type 9"),
+    "5 dimensions": (lambda d, at: _put(d, at["n_dims"], "<I", 5), "5 dimensions"),
+    "dimension 0": (lambda d, at: _put(d, at["dim0"], "<Q", 0), "has shape"),
+    "dimension 2^62": (lambda d, at: _put(d, at["dim0"], "<Q", 1 << 62), "has shape"),
+    "tensor type 99": (lambda d, at: _put(d, at["type0"], "<I", 99), "type 99"),
+    "tensor type wider (F64)": (lambda d, at: _put(d, at["type0"], "<I", 28), "needs bytes up to"),
+    "data offset past the end": (lambda d, at: _put(d, at["offset0"], "<Q", 1 << 40), "needs bytes up to"),
+    "data offset unaligned": (lambda d, at: _put(d, at["offset0"], "<Q", 1), "not a multiple of the alignment"),
+    "truncated in the metadata": (lambda d, at: d[:at["tokens"] + 40], "left can hold"),
+    "truncated in the tensor infos": (lambda d, at: d[:at["dim0"] + 3], "ends inside the shape"),
+    "truncated by one byte": (lambda d, at: d[:-1], "truncated"),
+    # well-formed files that abort llama.cpp (GGML_ASSERT) instead of being refused by it
+    "block_count 0": (lambda d, at: _put(d, at["blocks"], "<I", 0), "block_count is 0"),
+    "block_count 2^30": (lambda d, at: _put(d, at["blocks"], "<I", 1 << 30), "block_count is 1073741824"),
+    "block_count 1 with 2 layers": (lambda d, at: _put(d, at["blocks"], "<I", 1), "tensors of layer 1"),
+    "rms epsilon NaN": (lambda d, at: _put(d, at["eps"], "<f", float("nan")), "layer_norm_rms_epsilon is nan"),
+    "rms epsilon negative": (lambda d, at: _put(d, at["eps"], "<f", -1.0), "layer_norm_rms_epsilon is -1.0"),
+}
+LLAMA_CPP_ABORTS = ("block_count 0", "block_count 2^30", "rms epsilon NaN")
+
+
+@pytest.fixture(scope="module")
+def gguf_bytes(gpu_bundle, tmp_path_factory) -> tuple[bytes, dict[str, int]]:
+    data = (gpu_bundle / "model.gguf").read_bytes()
+    return data, _gguf_layout(data, tmp_path_factory.mktemp("layout"))
+
+
+def test_the_good_gguf_passes_the_check(gpu_bundle):
+    meta = check_gguf(gpu_bundle / "model.gguf")
+    assert meta["general.architecture"] == "llama" and meta["llama.block_count"] == 2
+
+
+@pytest.mark.parametrize("name", list(GGUF_EDITS))
+def test_hostile_gguf_is_refused_in_one_line(tmp_path, gguf_bytes, name):
+    edit, words = GGUF_EDITS[name]
+    file = tmp_path / "model.gguf"
+    file.write_bytes(edit(*gguf_bytes))
+    for reader in (check_gguf, open_gguf):  # ours, then gguf-py behind it
+        with pytest.raises(UserError) as e:
+            reader(file)
+        assert "\n" not in str(e.value) and words in str(e.value), str(e.value)
+
+
+def _hostile_bundle(good: Path, dest: Path, file: str, data: bytes) -> Path:
+    """A copy of `good` whose `file` is `data` and whose manifest vouches for it (size and sha256): the
+    attacker controls the whole download, so the hashes cannot be what stops it."""
+    import shutil
+
+    shutil.copytree(good, dest)
+    (dest / file).write_bytes(data)
+    manifest = json.loads((dest / MANIFEST).read_text())
+    for art in manifest["artefacts"]:
+        if art["path"] == file:
+            art.update(size=len(data), sha256=hashlib.sha256(data).hexdigest())
+    (dest / MANIFEST).write_text(json.dumps(manifest))
+    return dest
+
+
+@pytest.mark.parametrize("name", [*LLAMA_CPP_ABORTS, "data offset past the end", "truncated by one byte"])
+def test_cli_run_on_a_bundle_with_a_hostile_gguf_exits_2_in_one_line(tmp_path, gpu_bundle, gguf_bytes, name):
+    edit, words = GGUF_EDITS[name]
+    bundle = _hostile_bundle(gpu_bundle, tmp_path / "b", "model.gguf", edit(*gguf_bytes))
+    proc = cli("run", str(bundle), "-p", "hi", "--max-tokens", "2")
+    assert proc.returncode == 2, proc.stderr[-2000:]  # an abort would be -6
+    assert proc.stderr.strip().count("\n") == 0 and words in proc.stderr, proc.stderr
+
+
+def test_cli_run_on_the_good_bundle_still_generates(gpu_bundle):
+    proc = cli("run", str(gpu_bundle), "-p", "It is a truth", "--max-tokens", "4")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip()
+
+
+# ---- safetensors, config.json, tokenizer files of a HF folder -------------------------------------------
+def _safetensors(header_edit=None, raw=None):
+    """A mutation of model.safetensors: its JSON header edited, or the bytes replaced by raw(data)."""
+    def edit(data: bytes) -> bytes:
+        if raw is not None:
+            return raw(data)
+        n = struct.unpack("<Q", data[:8])[0]
+        header = json.loads(data[8:8 + n])
+        new = json.dumps(header_edit(header)).encode()
+        return struct.pack("<Q", len(new)) + new + data[8 + n:]
+    return edit
+
+
+def _first(header: dict) -> dict:
+    return header[next(k for k in header if k != "__metadata__")]
+
+
+def _set_first(key, value):
+    def edit(header):
+        _first(header)[key] = value
+        return header
+    return edit
+
+
+SAFETENSORS_EDITS = {
+    "header length 2^60": _safetensors(raw=lambda d: struct.pack("<Q", 1 << 60) + d[8:]),
+    "header length past the end": _safetensors(raw=lambda d: struct.pack("<Q", len(d)) + d[8:]),
+    "header not JSON": _safetensors(raw=lambda d: d[:8] + b"!" + d[9:]),
+    "header a JSON list": _safetensors(lambda h: [1, 2]),
+    "unknown dtype": _safetensors(_set_first("dtype", "F128")),
+    "negative shape": _safetensors(_set_first("shape", [-320, 64])),
+    "shape too big for its bytes": _safetensors(_set_first("shape", [640, 64])),
+    "offsets past the end": _safetensors(_set_first("data_offsets", [0, 1 << 40])),
+    "offsets reversed": _safetensors(_set_first("data_offsets", [81920, 0])),
+    "truncated": _safetensors(raw=lambda d: d[: len(d) // 2]),
+    "empty": _safetensors(raw=lambda d: b""),
+    "seven bytes": _safetensors(raw=lambda d: d[:7]),
+}
+
+
+def _config(edit):
+    return lambda cfg: edit(dict(cfg))
+
+
+CONFIG_EDITS = {
+    "a list": (lambda c: [c], "not an object"),
+    "null": (lambda c: None, "not an object"),
+    "no hidden_size": (lambda c: {k: v for k, v in c.items() if k != "hidden_size"}, "'hidden_size'"),
+    "hidden_size a string": (lambda c: {**c, "hidden_size": "64"}, "hidden_size"),
+    "hidden_size negative": (lambda c: {**c, "hidden_size": -64}, "hidden_size"),
+    "hidden_size 2^40": (lambda c: {**c, "hidden_size": 1 << 40}, "hidden_size"),
+    "num_hidden_layers true": (lambda c: {**c, "num_hidden_layers": True}, "num_hidden_layers"),
+    "vocab_size a float": (lambda c: {**c, "vocab_size": 320.0}, "vocab_size"),
+    "rms_norm_eps NaN": (lambda c: {**c, "rms_norm_eps": float("nan")}, "rms_norm_eps"),
+    "rope_theta 0": (lambda c: {**c, "rope_theta": 0}, "rope_theta"),
+    "rope_scaling a list": (lambda c: {**c, "rope_scaling": ["llama3"]}, "rope_scaling"),
+    "architectures a string": (lambda c: {**c, "architectures": "LlamaForCausalLM"}, "architectures"),
+    "eos_token_id a string": (lambda c: {**c, "eos_token_id": ["</s>"]}, "eos_token_id"),
+    "heads not dividing": (lambda c: {**c, "num_key_value_heads": 3}, "num_key_value_heads=3"),
+}
+
+TOKENIZER_EDITS = {  # file -> new text
+    "tokenizer.json not JSON": ("tokenizer.json", "{not json", "could not be read"),
+    "tokenizer.json empty": ("tokenizer.json", "", "could not be read"),
+    "tokenizer.json nested 100000 deep": ("tokenizer.json", "[" * 100000 + "]" * 100000, "could not be read"),
+    "tokenizer.json a list": ("tokenizer.json", "[]", "could not be read"),
+    "tokenizer_config.json a list": ("tokenizer_config.json", "[]", "not an object"),
+    "tokenizer_config.json not JSON": ("tokenizer_config.json", "{", "malformed"),
+    "bos_token a number": ("tokenizer_config.json", '{"bos_token": 5}', "bos_token"),
+    "eos_token content a list": ("tokenizer_config.json", '{"eos_token": {"content": []}}', "eos_token"),
+    "chat_template a list": ("tokenizer_config.json", '{"chat_template": [{"name": "x"}]}', "chat_template"),
+    "add_bos_token a string": ("tokenizer_config.json", '{"add_bos_token": "yes"}', "add_bos_token"),
+}
+
+
+@pytest.fixture
+def hf_copy(tiny_dir, tmp_path) -> Path:
+    import shutil
+
+    return Path(shutil.copytree(tiny_dir, tmp_path / "m"))
+
+
+def _one_line(fn, folder) -> str:
+    with pytest.raises(UserError) as e:
+        fn(folder)
+    assert "\n" not in str(e.value) and str(e.value)
+    return str(e.value)
+
+
+@pytest.mark.parametrize("name", list(SAFETENSORS_EDITS))
+def test_hostile_safetensors_is_refused_in_one_line(hf_copy, name):
+    file = hf_copy / "model.safetensors"
+    file.write_bytes(SAFETENSORS_EDITS[name](file.read_bytes()))
+    assert "model.safetensors" in _one_line(load_model, hf_copy)
+
+
+@pytest.mark.parametrize("index", [[], {"weight_map": {"lm_head.weight": "../model.safetensors"}},
+                                   {"weight_map": ["model.safetensors"]}, {"weight_map": {"a": 7}}])
+def test_hostile_safetensors_index_is_refused_in_one_line(hf_copy, index):
+    (hf_copy / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert "index.json" in _one_line(load_model, hf_copy)
+
+
+@pytest.mark.parametrize("name", list(CONFIG_EDITS))
+def test_hostile_config_is_refused_in_one_line(hf_copy, name):
+    edit, words = CONFIG_EDITS[name]
+    cfg = json.loads((hf_copy / "config.json").read_text())
+    (hf_copy / "config.json").write_text(json.dumps(edit(cfg)))
+    assert words in _one_line(load_model, hf_copy)
+
+
+@pytest.mark.parametrize("name", list(TOKENIZER_EDITS))
+def test_hostile_tokenizer_files_are_refused_in_one_line(hf_copy, name):
+    file, text, words = TOKENIZER_EDITS[name]
+    (hf_copy / file).write_text(text)
+    assert words in _one_line(Tokenizer.from_dir, hf_copy)
+
+
+def test_cli_run_on_a_bundle_with_a_hostile_tokenizer_config_exits_2(tmp_path, gpu_bundle):
+    bundle = _hostile_bundle(gpu_bundle, tmp_path / "b", "tokenizer_config.json", b'{"chat_template": 7}')
+    proc = cli("run", str(bundle), "-p", "hi", "--max-tokens", "2")
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr
+    assert "chat_template is not a string" in proc.stderr
+
+
+def test_corpus_size():
+    """Issue 17 asks for at least 40 mutations across bundles and model files; the bundle's are in
+    test_bundle_hostile.py (58), these are the model files'."""
+    assert len(GGUF_EDITS) + len(SAFETENSORS_EDITS) + len(CONFIG_EDITS) + len(TOKENIZER_EDITS) >= 40
