@@ -28,6 +28,9 @@ cannot drive it, so no genai_config.json is written.
 Weights: float (fp32 / fp16) or integer. Integer weights come from `edgefinfer.compile.quant`'s
 quantized modules, so the graph holds the eager quantized model's codes bit for bit; a float model
 exported with weights="int4"/"int8" is first quantized with that package's round-to-nearest recipe.
+
+One emitter writes both ONNX decoders: `emit_decoder` walks the model once and a `DecoderForm`
+supplies the blocks, `FusedForm` here and `onnx_static.StaticForm` for the fixed-shape NPU graph.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import copy
 import json
 import shutil
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import numpy as np
 import onnx_ir as ir
@@ -55,6 +58,7 @@ from edgefinfer.errors import UserError
 from edgefinfer.model import Transformer
 
 Weights = Literal["fp32", "fp16", "int8", "int4"]
+Stream = Any  # the residual stream as a DecoderForm carries it
 KVLayout = Literal["static", "window"]
 WEIGHTS: tuple[str, ...] = ("fp32", "fp16", "int8", "int4")
 MODEL_FILE = "model.onnx"
@@ -102,8 +106,8 @@ def export_onnx(model: Transformer, out_dir: str | Path, *, weights: Weights | N
         raise UserError(f"accuracy_level must be 0..4 (MatMulNBits' activation precision), got {accuracy_level}")
 
     builder = GraphBuilder()
-    io = _declare_io(builder, cfg, io_dtype, slots if kv == "window" else None)
-    _DecoderGraph(builder, model, io_dtype, window, max_seq_len, accuracy_level, pack_gate_up).emit(io)
+    emit_decoder(FusedForm(builder, model, io_dtype, window, max_seq_len, accuracy_level, pack_gate_up,
+                           window_slots=slots if kv == "window" else None), model)
     kind = recipe or ("fp16" if io_dtype == np.float16 else _weights_label(model))
     streams = kv == "window"
     spec = ArtefactSpec(
@@ -258,10 +262,52 @@ def _declare_io(b: GraphBuilder, cfg: ModelConfig, io_dtype: np.dtype, window_sl
     }
 
 
-class _DecoderGraph:
+class DecoderForm(Protocol):
+    """One way of writing the decoder's blocks as ONNX ops; `emit_decoder` walks the model once and
+    asks the form for each block. Two forms: `FusedForm` (below: ONNX Runtime's contrib kernels,
+    dynamic shapes, what the CPU runs fastest) and `onnx_static.StaticForm` (standard ops only and
+    every shape fixed, what NPU compilers take). A form declares the graph's inputs and its
+    graph-wide values (sequence lengths, RoPE, masks) when it is made.
+
+    `Stream` is the residual stream as the form carries it: a value, or (FusedForm) a value and the
+    sublayer output still to be added to it, which the next norm adds inside its own kernel."""
+
+    b: GraphBuilder
+
+    def embed(self) -> Stream: ...
+    def norm(self, stream: Stream, norm: nn.Module, name: str) -> tuple[ir.Value, Stream]: ...
+    def add(self, stream: Stream, out: ir.Value, name: str) -> Stream: ...
+    def final_norm(self, stream: Stream, norm: nn.Module) -> ir.Value: ...
+    def attention(self, h: ir.Value, attn: nn.Module, i: int) -> ir.Value: ...
+    def mlp(self, h: ir.Value, mlp: nn.Module) -> ir.Value: ...
+    def lm_head(self, h: ir.Value) -> ir.Value: ...
+    def finish(self, logits: ir.Value) -> None: ...
+
+
+def emit_decoder(form: DecoderForm, model: Transformer) -> None:
+    """The decoder, written once for both forms: embedding, pre-norm attention and MLP blocks on a
+    residual stream, final norm, output head."""
+    b = form.b
+    stream = form.embed()
+    for i, layer in enumerate(model.model.layers):
+        b.scope = f"/model/layers.{i}"
+        h, stream = form.norm(stream, layer.input_layernorm, "input_layernorm")
+        stream = form.add(stream, form.attention(h, layer.self_attn, i), "attn_residual")
+        h, stream = form.norm(stream, layer.post_attention_layernorm, "post_attention_layernorm")
+        stream = form.add(stream, form.mlp(h, layer.mlp), "mlp_residual")
+    b.scope = "/model"
+    h = form.final_norm(stream, model.model.norm)
+    b.scope = "/lm_head"
+    form.finish(form.lm_head(h))
+
+
+class FusedForm:
+    """ONNX Runtime's fused decoder: GroupQueryAttention, (Skip)SimplifiedLayerNormalization,
+    MatMulNBits / GatherBlockQuantized for integer weights; batch and lengths dynamic."""
+
     def __init__(self, b: GraphBuilder, model: Transformer, io_dtype: np.dtype, window: int | None,
-                 max_seq_len: int | None, accuracy_level: int, pack_gate_up: bool):
-        """max_seq_len None: the window form (RoPE from positions, GQA's windowed cache)."""
+                 max_seq_len: int | None, accuracy_level: int, pack_gate_up: bool, window_slots: int | None):
+        """max_seq_len None: the window form (RoPE from positions, GQA's windowed cache of `window_slots`)."""
         self.b, self.model, self.cfg = b, model, model.config
         self.dtype = np.dtype(io_dtype)
         self.window = window
@@ -269,6 +315,12 @@ class _DecoderGraph:
         self.accuracy_level = accuracy_level
         self.pack_gate_up = pack_gate_up
         self.presents: list[tuple[ir.Value, str, list]] = []
+        self.io = _declare_io(b, self.cfg, self.dtype, window_slots)
+        if "attention_mask" in self.io:
+            self.seqlens_k, self.total_len, self.rope = self.lengths_from_mask(self.io["attention_mask"])
+        else:
+            self.seqlens_k, self.total_len, self.rope = self.lengths_from_positions(self.io["position_ids"])
+        self.emb: EmbeddingSpec | None = None
 
     # -- building blocks --
     def linear(self, x: ir.Value, spec: LinearSpec, name: str) -> ir.Value:
@@ -305,39 +357,34 @@ class _DecoderGraph:
         out[1].name = out[2].name = ""  # omit the training outputs: computing them costs ~40% of the kernel
         return out[0], out[3]
 
-    # -- the model --
-    def emit(self, io: dict[str, Any]) -> None:
-        b, cfg, m = self.b, self.cfg, self.model
-        if "attention_mask" in io:
-            seqlens_k, total_len, rope = self.lengths_from_mask(io["attention_mask"])
-        else:
-            seqlens_k, total_len, rope = self.lengths_from_positions(io["position_ids"])
+    # -- the form's blocks (see DecoderForm) --
+    def embed(self) -> tuple[ir.Value, None]:
+        self.b.scope = "/model/embed_tokens"
+        self.emb = embedding_spec(self.model.model.embed_tokens, self.dtype)
+        return self.token_embedding(self.io["input_ids"], self.emb), None
 
-        b.scope = "/model/embed_tokens"
-        emb = embedding_spec(m.model.embed_tokens, self.dtype)
-        x = self.embed(io["input_ids"], emb)
-        head_shares_table = isinstance(emb, QuantTable) and shares_codes(m.lm_head, m.model.embed_tokens)
+    def norm(self, stream: tuple[ir.Value, ir.Value | None], norm: nn.Module,
+             name: str) -> tuple[ir.Value, tuple[ir.Value, None]]:
+        residual, pending = stream
+        if pending is None:  # the first block: nothing to add yet
+            gamma = self.b.const(f"{self.b.scope}/{name}.weight",
+                                 norm.weight.detach().float().numpy().astype(self.dtype))
+            return self.b.op("SimplifiedLayerNormalization", [residual, gamma], name, axis=-1,
+                             epsilon=self.cfg.rms_norm_eps, stash_type=1), (residual, None)
+        h, residual = self.skip_norm(residual, pending, norm.weight, name)
+        return h, (residual, None)
 
-        layers = m.model.layers
-        residual, pending = x, None  # `pending` = the sublayer output not yet added to the residual
-        for i, layer in enumerate(layers):
-            b.scope = f"/model/layers.{i}"
-            if pending is None:
-                gamma = b.const(f"{b.scope}/input_layernorm.weight",
-                                layer.input_layernorm.weight.detach().float().numpy().astype(self.dtype))
-                h = b.op("SimplifiedLayerNormalization", [residual, gamma], "input_layernorm", axis=-1,
-                         epsilon=cfg.rms_norm_eps, stash_type=1)
-            else:
-                h, residual = self.skip_norm(residual, pending, layer.input_layernorm.weight, "input_layernorm")
-            attn = self.attention(h, layer.self_attn, io["past"][i], seqlens_k, total_len, rope, i)
-            h, residual = self.skip_norm(residual, attn, layer.post_attention_layernorm.weight,
-                                         "post_attention_layernorm")
-            pending = self.mlp(h, layer.mlp)
+    def add(self, stream: tuple[ir.Value, ir.Value | None], out: ir.Value, name: str) -> tuple[ir.Value, ir.Value]:
+        return stream[0], out  # deferred: the next norm adds it inside its kernel
 
-        b.scope = "/model"
-        h, _ = self.skip_norm(residual, pending, m.model.norm.weight, "norm", with_sum=False)
-        b.scope = "/lm_head"
-        if head_shares_table:  # a tied quantized head reads the embedding's codes: one copy in the file
+    def final_norm(self, stream: tuple[ir.Value, ir.Value], norm: nn.Module) -> ir.Value:
+        h, _ = self.skip_norm(stream[0], stream[1], norm.weight, "norm", with_sum=False)
+        return h
+
+    def lm_head(self, h: ir.Value) -> ir.Value:
+        b, cfg, m, emb = self.b, self.cfg, self.model, self.emb
+        if isinstance(emb, QuantTable) and shares_codes(m.lm_head, m.model.embed_tokens):
+            # a tied quantized head reads the embedding's codes: one copy in the file
             logits = self.nbits(h, NBitsLinear(emb.mm, None), "lm_head", "/model/embed_tokens/table")
         elif cfg.tie_word_embeddings and isinstance(emb, FloatEmbedding) and not isinstance(m.lm_head, QuantLinear):
             # ORT folds the Transpose into a constant at load time; the file keeps one copy.
@@ -347,9 +394,12 @@ class _DecoderGraph:
             logits = self.linear(h, self.spec(m.lm_head, "lm_head"), "lm_head")
         if self.dtype != np.float32:
             logits = b.op("Cast", [logits], "Cast", to=ir.DataType.FLOAT)
-        b.output(logits, "logits", ir.DataType.FLOAT, ["batch_size", "sequence_length", cfg.vocab_size])
+        return logits
+
+    def finish(self, logits: ir.Value) -> None:
+        self.b.output(logits, "logits", ir.DataType.FLOAT, ["batch_size", "sequence_length", self.cfg.vocab_size])
         for value, name, shape in self.presents:  # after logits, in layer order (key, value)
-            b.output(value, name, ir_dtype(self.dtype), shape)
+            self.b.output(value, name, ir_dtype(self.dtype), shape)
 
     def lengths_from_mask(self, mask: ir.Value) -> tuple[ir.Value, ir.Value, tuple[ir.Value, ir.Value]]:
         """GQA reads lengths, not a mask: seqlens_k = valid length - 1, total_sequence_length = T.
@@ -386,7 +436,7 @@ class _DecoderGraph:
             sin = b.op("Cast", [sin], "CastSin", to=ir_dtype(self.dtype))
         return seqlens_k, total_len, (cos, sin)
 
-    def embed(self, ids: ir.Value, emb: EmbeddingSpec) -> ir.Value:
+    def token_embedding(self, ids: ir.Value, emb: EmbeddingSpec) -> ir.Value:
         b = self.b
         if isinstance(emb, FloatEmbedding):
             return b.op("Gather", [b.const("/model/embed_tokens/table", emb.table), ids], "Gather", axis=0)
@@ -405,9 +455,8 @@ class _DecoderGraph:
                     block_size=mm.block_size, gather_axis=0, quantize_axis=2)
         return b.op("Reshape", [rows, b.scalar_i64(0, 0, self.cfg.hidden_size)], "Reshape")
 
-    def attention(self, h: ir.Value, attn: nn.Module, past: tuple[ir.Value, ir.Value], seqlens_k: ir.Value,
-                  total_len: ir.Value, rope: tuple[ir.Value, ir.Value], i: int) -> ir.Value:
-        b, cfg = self.b, self.cfg
+    def attention(self, h: ir.Value, attn: nn.Module, i: int) -> ir.Value:
+        b, cfg, past, rope = self.b, self.cfg, self.io["past"][i], self.rope
         specs = [self.spec(attn.q_proj, f"layers.{i}.q_proj"), self.spec(attn.k_proj, f"layers.{i}.k_proj"),
                  self.spec(attn.v_proj, f"layers.{i}.v_proj")]
         packed = concat_linears(specs)
@@ -420,7 +469,7 @@ class _DecoderGraph:
         if streaming:  # RoPE outside GQA: its internal RoPE indexes a bounded table by absolute position
             qkv = self.rotary(qkv, rope)
         out, present_k, present_v = b.op(
-            "GroupQueryAttention", [*qkv, past[0], past[1], seqlens_k, total_len,
+            "GroupQueryAttention", [*qkv, past[0], past[1], self.seqlens_k, self.total_len,
                                     *((None, None) if streaming else rope)],
             "attn/GroupQueryAttention", domain=MS_DOMAIN, num_outputs=3, num_heads=cfg.num_attention_heads,
             kv_num_heads=cfg.num_key_value_heads, local_window_size=local, do_rotary=int(not streaming),

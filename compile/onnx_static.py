@@ -23,6 +23,9 @@ so every tensor stays 4-D. RoPE uses HF's half-split rotation as `x * cos + swap
 sin_signed`, the sign of rotate_half folded into the sin table, and the 1/sqrt(D) score scale is
 folded into the query projection. Only ops whose QDQ form the HTP reproduces are used (see
 `rms_norm` for one that it does not).
+
+The layer walk is `onnx_export.emit_decoder`'s, shared with the fused graph; `StaticForm` supplies
+the blocks.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import onnx_ir as ir
 from torch import nn
 
 from edgefinfer.artefact import ArtefactSpec, KVCache, write_spec
-from edgefinfer.compile.onnx_export import rope_tables
+from edgefinfer.compile.onnx_export import emit_decoder, rope_tables
 from edgefinfer.compile.onnx_graph import GraphBuilder, save_model
 from edgefinfer.compile.quant.modules import QUANT_MODULES
 from edgefinfer.errors import UserError
@@ -72,22 +75,64 @@ def export_static_decode(model: Transformer, path, *, cache_slots: int, chunk: i
     cfg = model.config
     max_seq_len = max_seq_len or cfg.max_position_embeddings
     window = window if window is not None else (cfg.sliding_window or cache_slots + 1)
-    H, Hkv, D, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.dim_per_head, cfg.hidden_size
-    G, W, S = H // Hkv, cache_slots, chunk
     b = GraphBuilder()
-    ids = b.input("input_ids", ir.DataType.INT32, [1, S])
-    pos = b.input("position_ids", ir.DataType.INT32, [1, S])
-    bias = b.input("attention_bias", ir.DataType.FLOAT, [1, 1, S, W])
-    past = [(b.input(f"past_key_values.{i}.key", ir.DataType.FLOAT, [1, Hkv, W, D]),
-             b.input(f"past_key_values.{i}.value", ir.DataType.FLOAT, [1, Hkv, W, D]))
-            for i in range(cfg.num_hidden_layers)]
+    emit_decoder(StaticForm(b, model, cache_slots, chunk, max_seq_len, window), model)
+    # A ring of W slots that the host owns; max_seq_len bounds the RoPE table, not the stream.
+    spec = ArtefactSpec("onnx-static", KVCache("window", max_seq_len=max_seq_len, window=window, slots=cache_slots,
+                                               max_chunk=chunk),
+                        vocab_size=cfg.vocab_size, num_layers=cfg.num_hidden_layers)
+    files = save_model(b.model(write_spec(spec, "onnx")), path)
+    return {"files": [f.name for f in files], "cache_slots": cache_slots, "chunk": chunk, "window": window,
+            "max_seq_len": max_seq_len,
+            "kv_layout": {"format": "BNSH ring", "shape": [1, cfg.num_key_value_heads, cache_slots, cfg.dim_per_head],
+                          "slot": "position % cache_slots"}}
 
-    def linear(x, module, name, scale=1.0):
+
+class StaticForm:
+    """The decoder's blocks in standard ONNX ops with fixed shapes (see the module docstring); a
+    `DecoderForm` for `emit_decoder`."""
+
+    def __init__(self, b: GraphBuilder, model: Transformer, cache_slots: int, chunk: int, max_seq_len: int,
+                 window: int):
+        cfg = self.cfg = model.config
+        self.b, self.model = b, model
+        self.H, self.Hkv, self.D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.dim_per_head
+        self.G, self.W, self.S = self.H // self.Hkv, cache_slots, chunk
+        H, Hkv, D, G, W, S = self.H, self.Hkv, self.D, self.G, self.W, self.S
+        self.ids = b.input("input_ids", ir.DataType.INT32, [1, S])
+        pos = b.input("position_ids", ir.DataType.INT32, [1, S])
+        bias = b.input("attention_bias", ir.DataType.FLOAT, [1, 1, S, W])
+        self.past = [(b.input(f"past_key_values.{i}.key", ir.DataType.FLOAT, [1, Hkv, W, D]),
+                      b.input(f"past_key_values.{i}.value", ir.DataType.FLOAT, [1, Hkv, W, D]))
+                     for i in range(cfg.num_hidden_layers)]
+        self.presents: list[tuple[ir.Value, ir.Value]] = []
+
+        cos, sin = rope_tables(model, max_seq_len)  # [T, D/2]
+        b.scope = "/rope"
+        cos_full = b.const("cos_table", np.concatenate([cos, cos], -1))  # [T, D]
+        sin_signed = b.const("sin_signed_table", np.concatenate([-sin, sin], -1))  # rotate_half's sign folded in
+        cos_p = b.op("Gather", [cos_full, pos], "GatherCos", axis=0)  # [1, S, D]
+        sin_p = b.op("Gather", [sin_signed, pos], "GatherSin", axis=0)
+        self.cos_p = b.op("Reshape", [cos_p, b.scalar_i64(1, 1, S, D)], "ReshapeCos")
+        self.sin_p = b.op("Reshape", [sin_p, b.scalar_i64(1, 1, S, D)], "ReshapeSin")
+
+        # The new tokens see each other causally: append that constant block to the host's slot bias, then
+        # repeat the rows once per query head of a group (rows are ordered group-major, see q/Group).
+        b.scope = "/model"
+        self_bias = b.const("self_bias", causal_block(S, window))
+        full_bias = b.op("Concat", [bias, self_bias], "attention_bias_self", axis=-1)  # [1, 1, S, W + S]
+        if G > 1:
+            full_bias = b.op("Concat", [full_bias] * G, "attention_bias_groups", axis=2)  # [1, 1, G * S, W + S]
+        self.full_bias = full_bias
+
+    # -- building blocks --
+    def linear(self, x: ir.Value, module: nn.Module, name: str, scale: float = 1.0) -> ir.Value:
+        b = self.b
         w, bb = _w(module, scale)
         y = b.op("MatMul", [x, b.const(f"{b.scope}/{name}.weight", w)], f"{name}/MatMul")
         return y if bb is None else b.op("Add", [y, b.const(f"{b.scope}/{name}.bias", bb)], f"{name}/Add")
 
-    def rms_norm(x, norm, name):
+    def rms_norm(self, x: ir.Value, norm: nn.Module, name: str) -> ir.Value:
         # x / sqrt(mean(x^2) + eps) * w, as LAPACK's nrm2 computes a norm: m = max|x|, u = x / m,
         # l = ||u||_2, n = m * l = ||x||_2; then (u / l) * c * (sqrt(d) * w) with the eps term
         # c = 1 / sqrt(1 + (sqrt(d * eps) / n)^2). Two ranges force this form. A few tokens' residual
@@ -97,11 +142,12 @@ def export_static_decode(model: Transformer, path, *, cache_slots: int, chunk: i
         # constant), so it only sees u (norm <= sqrt(d)). SmolLM2 A16W8 now: perplexity 48.2 on the
         # CPU EP, and the emulator's argmax equals the CPU EP's.
         # Div, not Reciprocal then Mul: the HTP's 16-bit Reciprocal was measured 7.0 off on an 8.4 value.
+        b, d = self.b, self.cfg.hidden_size
         m = b.op("ReduceMax", [b.op("Abs", [x], f"{name}/Abs"), b.scalar_i64(-1)], f"{name}/ReduceMax", keepdims=1)
         u = b.op("Div", [x, m], f"{name}/Scale1")
         l2 = b.op("ReduceL2", [u, b.scalar_i64(-1)], f"{name}/ReduceL2", keepdims=1)
         n = b.op("Mul", [m, l2], f"{name}/Norm")
-        r = b.op("Div", [b.const("rms_eps_sqrt", np.array((d * cfg.rms_norm_eps) ** 0.5, np.float32)), n],
+        r = b.op("Div", [b.const("rms_eps_sqrt", np.array((d * self.cfg.rms_norm_eps) ** 0.5, np.float32)), n],
                  f"{name}/EpsRatio")
         one = b.const("one", np.array(1.0, np.float32))
         c = b.op("Div", [one, b.op("Sqrt", [b.op("Add", [one, b.op("Mul", [r, r], f"{name}/EpsSquare")],
@@ -110,70 +156,64 @@ def export_static_decode(model: Transformer, path, *, cache_slots: int, chunk: i
         gamma = b.const(f"{b.scope}/{name}.weight", norm.weight.detach().float().numpy() * np.float32(d ** 0.5))
         return b.op("Mul", [unit, gamma], f"{name}/Scale")
 
-    cos, sin = rope_tables(model, max_seq_len)  # [T, D/2]
-    b.scope = "/rope"
-    cos_full = b.const("cos_table", np.concatenate([cos, cos], -1))  # [T, D]
-    sin_signed = b.const("sin_signed_table", np.concatenate([-sin, sin], -1))  # rotate_half's sign folded in
-    cos_p = b.op("Gather", [cos_full, pos], "GatherCos", axis=0)  # [1, S, D]
-    sin_p = b.op("Gather", [sin_signed, pos], "GatherSin", axis=0)
-    cos_p = b.op("Reshape", [cos_p, b.scalar_i64(1, 1, S, D)], "ReshapeCos")
-    sin_p = b.op("Reshape", [sin_p, b.scalar_i64(1, 1, S, D)], "ReshapeSin")
-
-    def rope(x, name):  # x [1, heads, S, D]
+    def rope(self, x: ir.Value, name: str) -> ir.Value:  # x [1, heads, S, D]
+        b, D = self.b, self.D
         lo, hi = b.op("Split", [x, b.scalar_i64(D // 2, D // 2)], f"{name}/Split", num_outputs=2, axis=-1)
         swapped = b.op("Concat", [hi, lo], f"{name}/Swap", axis=-1)
-        return b.op("Add", [b.op("Mul", [x, cos_p], f"{name}/MulCos"), b.op("Mul", [swapped, sin_p], f"{name}/MulSin")],
-                    f"{name}/Add")
+        return b.op("Add", [b.op("Mul", [x, self.cos_p], f"{name}/MulCos"),
+                            b.op("Mul", [swapped, self.sin_p], f"{name}/MulSin")], f"{name}/Add")
 
-    def heads(x, n, name):  # [1, S, n * D] -> [1, n, S, D]
-        return b.op("Transpose", [b.op("Reshape", [x, b.scalar_i64(1, S, n, D)], f"{name}/Reshape")],
+    def heads(self, x: ir.Value, n: int, name: str) -> ir.Value:  # [1, S, n * D] -> [1, n, S, D]
+        b = self.b
+        return b.op("Transpose", [b.op("Reshape", [x, b.scalar_i64(1, self.S, n, self.D)], f"{name}/Reshape")],
                     f"{name}/Transpose", perm=[0, 2, 1, 3])
 
-    b.scope = "/model"
-    x = b.op("Gather", [b.const("embed_tokens.weight", model.model.embed_tokens.weight.detach().float().numpy()), ids],
-             "embed_tokens", axis=0)  # [1, S, d]
-    # The new tokens see each other causally: append that constant block to the host's slot bias, then
-    # repeat the rows once per query head of a group (rows are ordered group-major, see q/Group).
-    self_bias = b.const("self_bias", causal_block(S, window))
-    full_bias = b.op("Concat", [bias, self_bias], "attention_bias_self", axis=-1)  # [1, 1, S, W + S]
-    if G > 1:
-        full_bias = b.op("Concat", [full_bias] * G, "attention_bias_groups", axis=2)  # [1, 1, G * S, W + S]
-    presents = []
-    for i, layer in enumerate(model.model.layers):
-        b.scope = f"/model/layers.{i}"
-        attn = layer.self_attn
-        h = rms_norm(x, layer.input_layernorm, "input_layernorm")
-        q = rope(heads(linear(h, attn.q_proj, "q_proj", scale=D ** -0.5), H, "q"), "q_rope")  # [1, H, S, D]
-        k = rope(heads(linear(h, attn.k_proj, "k_proj"), Hkv, "k"), "k_rope")  # [1, Hkv, S, D]
-        v = heads(linear(h, attn.v_proj, "v_proj"), Hkv, "v")
-        presents.append((k, v))
-        keys = b.op("Concat", [past[i][0], k], "keys", axis=2)  # [1, Hkv, W + S, D]
-        values = b.op("Concat", [past[i][1], v], "values", axis=2)
+    # -- the form's blocks (see onnx_export.DecoderForm) --
+    def embed(self) -> ir.Value:
+        b = self.b
+        b.scope = "/model"
+        table = b.const("embed_tokens.weight", self.model.model.embed_tokens.weight.detach().float().numpy())
+        return b.op("Gather", [table, self.ids], "embed_tokens", axis=0)  # [1, S, d]
+
+    def norm(self, x: ir.Value, norm: nn.Module, name: str) -> tuple[ir.Value, ir.Value]:
+        return self.rms_norm(x, norm, name), x
+
+    def add(self, x: ir.Value, out: ir.Value, name: str) -> ir.Value:
+        return self.b.op("Add", [x, out], name)
+
+    def final_norm(self, x: ir.Value, norm: nn.Module) -> ir.Value:
+        return self.rms_norm(x, norm, "norm")
+
+    def attention(self, h: ir.Value, attn: nn.Module, i: int) -> ir.Value:
+        b, H, Hkv, D, G, S = self.b, self.H, self.Hkv, self.D, self.G, self.S
+        q = self.rope(self.heads(self.linear(h, attn.q_proj, "q_proj", scale=D ** -0.5), H, "q"), "q_rope")
+        k = self.rope(self.heads(self.linear(h, attn.k_proj, "k_proj"), Hkv, "k"), "k_rope")  # [1, Hkv, S, D]
+        v = self.heads(self.linear(h, attn.v_proj, "v_proj"), Hkv, "v")
+        self.presents.append((k, v))
+        keys = b.op("Concat", [self.past[i][0], k], "keys", axis=2)  # [1, Hkv, W + S, D]
+        values = b.op("Concat", [self.past[i][1], v], "values", axis=2)
         qg = b.op("Reshape", [q, b.scalar_i64(1, Hkv, G * S, D)], "q/Group")  # query head h -> kv head h // G
         scores = b.op("MatMul", [qg, b.op("Transpose", [keys], "keys/Transpose", perm=[0, 1, 3, 2])], "scores")
-        probs = b.op("Softmax", [b.op("Add", [scores, full_bias], "scores/Mask")], "Softmax", axis=-1)
+        probs = b.op("Softmax", [b.op("Add", [scores, self.full_bias], "scores/Mask")], "Softmax", axis=-1)
         ctx = b.op("MatMul", [probs, values], "context")  # [1, Hkv, G * S, D]
         ctx = b.op("Reshape", [ctx, b.scalar_i64(1, H, S, D)], "context/Heads")
         ctx = b.op("Transpose", [ctx], "context/Transpose", perm=[0, 2, 1, 3])  # [1, S, H, D]
         ctx = b.op("Reshape", [ctx, b.scalar_i64(1, S, H * D)], "context/Reshape")
-        x = b.op("Add", [x, linear(ctx, attn.o_proj, "o_proj")], "attn_residual")
-        h = rms_norm(x, layer.post_attention_layernorm, "post_attention_layernorm")
-        gate = linear(h, layer.mlp.gate_proj, "gate_proj")
+        return self.linear(ctx, attn.o_proj, "o_proj")
+
+    def mlp(self, h: ir.Value, mlp: nn.Module) -> ir.Value:
+        b = self.b
+        gate = self.linear(h, mlp.gate_proj, "gate_proj")
         act = b.op("Mul", [gate, b.op("Sigmoid", [gate], "Sigmoid")], "SiLU")
-        x = b.op("Add", [x, linear(b.op("Mul", [act, linear(h, layer.mlp.up_proj, "up_proj")], "mlp/Mul"),
-                                   layer.mlp.down_proj, "down_proj")], "mlp_residual")
-    b.scope = "/model"
-    h = rms_norm(x, model.model.norm, "norm")
-    b.scope = "/lm_head"
-    logits = linear(h, model.lm_head, "lm_head")
-    b.output(logits, "logits", ir.DataType.FLOAT, [1, S, cfg.vocab_size])
-    for i, (k, v) in enumerate(presents):
-        b.output(k, f"present.{i}.key", ir.DataType.FLOAT, [1, Hkv, S, D])
-        b.output(v, f"present.{i}.value", ir.DataType.FLOAT, [1, Hkv, S, D])
-    # A ring of W slots that the host owns; max_seq_len bounds the RoPE table, not the stream.
-    spec = ArtefactSpec("onnx-static", KVCache("window", max_seq_len=max_seq_len, window=window, slots=W, max_chunk=S),
-                        vocab_size=cfg.vocab_size, num_layers=cfg.num_hidden_layers)
-    files = save_model(b.model(write_spec(spec, "onnx")), path)
-    return {"files": [f.name for f in files], "cache_slots": W, "chunk": S, "window": window,
-            "max_seq_len": max_seq_len,
-            "kv_layout": {"format": "BNSH ring", "shape": [1, Hkv, W, D], "slot": "position % cache_slots"}}
+        return self.linear(b.op("Mul", [act, self.linear(h, mlp.up_proj, "up_proj")], "mlp/Mul"), mlp.down_proj,
+                           "down_proj")
+
+    def lm_head(self, h: ir.Value) -> ir.Value:
+        return self.linear(h, self.model.lm_head, "lm_head")
+
+    def finish(self, logits: ir.Value) -> None:
+        b, S, Hkv, D = self.b, self.S, self.Hkv, self.D
+        b.output(logits, "logits", ir.DataType.FLOAT, [1, S, self.cfg.vocab_size])
+        for i, (k, v) in enumerate(self.presents):
+            b.output(k, f"present.{i}.key", ir.DataType.FLOAT, [1, Hkv, S, D])
+            b.output(v, f"present.{i}.value", ir.DataType.FLOAT, [1, Hkv, S, D])

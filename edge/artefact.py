@@ -96,25 +96,13 @@ class ArtefactSpec:
 
 def write_spec(spec: ArtefactSpec, carrier: Carrier) -> dict[str, Any]:
     """`spec` as `carrier` stores it (see the module docstring); `read_spec` reverses it."""
-    if carrier == "onnx":
-        return _onnx_metadata(spec)
-    if carrier == "pte":
-        return _pte_methods(spec)
-    if carrier == "manifest":
-        return _manifest_meta(spec)
-    raise ValueError(f"unknown carrier {carrier!r}")
+    return {"onnx": _onnx_metadata, "pte": _pte_methods, "manifest": _manifest_meta}[carrier](spec)
 
 
 def read_spec(carrier: Carrier, stored: Mapping[str, Any]) -> ArtefactSpec:
     """The `ArtefactSpec` that `write_spec` stored in `stored`. Absent keys read as unknown (None), so
     an ONNX model from another exporter (onnxruntime-genai's builder) reads as a plain GQA decoder."""
-    if carrier == "onnx":
-        return _from_onnx(stored)
-    if carrier == "pte":
-        return _from_pte(stored)
-    if carrier == "manifest":
-        return _from_manifest(stored)
-    raise ValueError(f"unknown carrier {carrier!r}")
+    return {"onnx": _from_onnx, "pte": _from_pte, "manifest": _from_manifest}[carrier](stored)
 
 
 # ---- ONNX metadata_props: "edgefinfer.<key>" -> str --------------------------------------------------------
