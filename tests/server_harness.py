@@ -106,6 +106,100 @@ def _openai_error_shape(ctx, response, case) -> bool | None:
     return None
 
 
+# ------------------------------------------------------------------------------------------ load
+LOAD_PROMPTS = [f"Fact {i}: the" for i in range(20)]
+
+
+def metrics(url: str) -> dict[str, float]:
+    out = {}
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            key, value = line.rsplit(" ", 1)
+            out[key] = float(value)
+    return out
+
+
+def wait_kv_idle(url: str, timeout: float = 15.0) -> dict[str, float]:
+    """/metrics once nothing runs or waits and no KV block is used (or at the timeout)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(url)
+        idle = (m["edgefinfer_num_requests_running"] == 0 and m["edgefinfer_num_requests_waiting"] == 0
+                and m['edgefinfer_kv_blocks{state="used"}'] == 0)
+        if idle or time.monotonic() > deadline:
+            return m
+        time.sleep(0.05)
+
+
+def load_with_disconnects(url: str, name: str, requests: int, concurrency: int, max_tokens: int = 3,
+                          progress=None) -> dict:
+    """`requests` greedy completions at `concurrency` through the official client: every 10th hangs up
+    after its first chunk, half the rest stream, half do not. Each completed answer must equal the
+    prompt's answer alone (asked first); "lost" counts requests that failed or answered differently."""
+    import openai
+
+    sync = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    expected = {}
+    for p in LOAD_PROMPTS:
+        c = sync.completions.create(model=name, prompt=p, max_tokens=max_tokens, temperature=0).choices[0]
+        expected[p] = (c.text, c.finish_reason)
+    finished_before = sum(v for k, v in metrics(url).items() if k.startswith("edgefinfer_requests_total"))
+
+    async def one(client, i: int) -> str:
+        prompt = LOAD_PROMPTS[i % len(LOAD_PROMPTS)]
+        args = dict(model=name, prompt=prompt, max_tokens=max_tokens, temperature=0)
+        if i % 10 == 0:  # a client that hangs up after the first chunk
+            stream = await client.completions.create(stream=True, **args)
+            async for _ in stream:
+                break
+            await stream.close()
+            return "dropped"
+        if i % 2 == 0:
+            text, finish = "", None
+            async for chunk in await client.completions.create(stream=True, **args):
+                for c in chunk.choices:
+                    text += c.text
+                    finish = c.finish_reason or finish
+            return "stream" if (text, finish) == expected[prompt] else f"wrong: {prompt!r} -> {text!r} {finish}"
+        r = await client.completions.create(**args)
+        got = (r.choices[0].text, r.choices[0].finish_reason)
+        return "full" if got == expected[prompt] else f"wrong: {prompt!r} -> {got}"
+
+    async def run() -> list:
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120,
+                                    http_client=httpx.AsyncClient(limits=httpx.Limits(max_connections=2 * concurrency)))
+        gate, done = asyncio.Semaphore(concurrency), 0
+
+        async def bounded(i: int):
+            nonlocal done
+            async with gate:
+                try:
+                    return await one(client, i)
+                except Exception as e:
+                    return f"error: {type(e).__name__}: {e}"
+                finally:
+                    done += 1
+                    if progress is not None and done % 50 == 0:
+                        progress(done, requests)
+
+        results = await asyncio.gather(*[bounded(i) for i in range(requests)])
+        await client.close()
+        return results
+
+    t0 = time.perf_counter()
+    results = asyncio.run(run())
+    seconds = time.perf_counter() - t0
+    m = wait_kv_idle(url)
+    finished = sum(v for k, v in m.items() if k.startswith("edgefinfer_requests_total")) - finished_before
+    kinds = collections.Counter(r if r in ("full", "stream", "dropped") else "lost" for r in results)
+    return {"requests": requests, "concurrency": concurrency, "max_tokens": max_tokens,
+            "dropped": kinds["dropped"], "completed": kinds["full"] + kinds["stream"], "lost": kinds["lost"],
+            "lost_examples": sorted({r for r in results if r not in ("full", "stream", "dropped")})[:3],
+            "ended_once": int(finished), "kv_used_after": int(m['edgefinfer_kv_blocks{state="used"}']),
+            "kv_free_after": int(m['edgefinfer_kv_blocks{state="free"}']), "kv_total": int(m["edgefinfer_kv_blocks_total"]),
+            "seconds": round(seconds, 2)}
+
+
 # ------------------------------------------------------------------------------------------ processes
 def free_port() -> int:
     with socket.socket() as s:

@@ -19,6 +19,7 @@ from edgefinfer.server_gpu.api import create_app  # noqa: E402
 from edgefinfer.server_gpu.launch import BackgroundServer  # noqa: E402
 from edgefinfer.server_gpu.loader import ServeOptions, build_engine  # noqa: E402
 from edgefinfer.server_gpu.request import GenerationParams  # noqa: E402
+from tests.server_harness import metrics as scrape, wait_kv_idle  # noqa: E402
 
 pytestmark = [pytest.mark.reference, pytest.mark.llamacpp]
 
@@ -42,23 +43,11 @@ def client(server):
 
 
 def metrics(server) -> dict[str, float]:
-    out = {}
-    for line in httpx.get(server.url + "/metrics").text.splitlines():
-        if line and not line.startswith("#"):
-            key, value = line.rsplit(" ", 1)
-            out[key] = float(value)
-    return out
+    return scrape(server.url)
 
 
 def wait_idle(server, timeout: float = 15.0) -> dict[str, float]:
-    deadline = time.monotonic() + timeout
-    while True:
-        m = metrics(server)
-        idle = (m["edgefinfer_num_requests_running"] == 0 and m["edgefinfer_num_requests_waiting"] == 0
-                and m['edgefinfer_kv_blocks{state="used"}'] == 0)
-        if idle or time.monotonic() > deadline:
-            return m
-        time.sleep(0.05)
+    return wait_kv_idle(server.url, timeout)
 
 
 def test_greedy_output_equals_the_runtime(server, client):
