@@ -37,6 +37,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
+from edgefinfer.cache import may_attend
 from edgefinfer.config import ModelConfig
 from edgefinfer.errors import UserError
 from edgefinfer.model import Attention, Transformer, apply_rope
@@ -47,18 +48,11 @@ def load_custom_ops() -> None:
     from executorch.extension.llm.custom_ops import custom_ops  # noqa: F401
 
 
-def _additive(allowed: Tensor) -> Tensor:
-    """bool [S, T] -> float32 [S, T]: 0 where attention is allowed, -inf elsewhere (custom_sdpa's mask)."""
+def _additive_mask(query_pos: Tensor, key_pos: Tensor, window: int | None, num_sinks: int) -> Tensor:
+    """query positions [S], key positions [T] (-1 = empty slot) -> float32 [S, T] in custom_sdpa's form:
+    0 where `edgefinfer.cache.may_attend` lets a query see a key, -inf elsewhere."""
+    allowed = may_attend(query_pos[:, None], key_pos[None, :], window, num_sinks)  # [S, T]
     return torch.where(allowed, 0.0, float("-inf"))
-
-
-def _visible(query_pos: Tensor, key_pos: Tensor, window: int | None, num_sinks: int) -> Tensor:
-    """bool [S, T]: the rule of `edgefinfer.cache.attention_mask` for one sequence (-1 = empty slot)."""
-    q, k = query_pos[:, None], key_pos[None, :]
-    allowed = (k >= 0) & (k <= q)
-    if window is not None:
-        allowed = allowed & ((q - k < window) | (k < num_sinks))
-    return allowed
 
 
 class Call(NamedTuple):
@@ -97,7 +91,7 @@ class EtStaticCache(nn.Module):
         mask = None
         if self.window is not None:
             slots = torch.arange(self.max_seq_len, device=positions.device)
-            mask = _additive(_visible(positions, slots, self.window, 0))  # [S, T]
+            mask = _additive_mask(positions, slots, self.window, 0)  # [S, T]
         return Call(self, start, mask, None)
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, call: Call) -> Tensor:
@@ -148,7 +142,7 @@ class EtRingCache(nn.Module):
         held = torch.where(self.slot_pos >= positions[:1], -1, self.slot_pos)
         held = held.index_put((slots,), positions)  # [C]
         self.slot_pos.copy_(held)
-        mask = _additive(_visible(positions, held, self.window, self.num_sinks))  # [S, C]
+        mask = _additive_mask(positions, held, self.window, self.num_sinks)  # [S, C]
         return Call(self, 0, mask, slots[None])  # update_cache_with_indices wants slots [B, S]
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, call: Call) -> Tensor:

@@ -72,17 +72,22 @@ class StaticCache(nn.Module):
 
 
 def attention_mask(query_pos: Tensor, key_pos: Tensor, window: int | None, num_sinks: int = 0) -> Tensor:
-    """Boolean mask [B, 1, S, T] (True = may attend) from query positions [B, S] and key positions [B, T].
+    """Boolean mask [B, 1, S, T] (True = may attend) from query positions [B, S] and key positions [B, T]."""
+    return may_attend(query_pos[:, :, None], key_pos[:, None, :], window, num_sinks)[:, None]
+
+
+def may_attend(query_pos: Tensor, key_pos: Tensor, window: int | None, num_sinks: int = 0) -> Tensor:
+    """The mask rule of this module's docstring on positions already shaped to broadcast (queries
+    [..., S, 1], keys [..., 1, T]) -> bool [..., S, T]; exporters with their own layouts call it too.
 
     `window`: a query sees the keys of the last `window` positions, itself included (Mistral's rule).
     `num_sinks`: positions below it stay visible whatever the window (StreamingLLM attention sinks).
+    A key position of -1 marks an empty slot.
     """
-    q = query_pos[:, :, None]
-    kp = key_pos[:, None, :]
-    allowed = (kp >= 0) & (kp <= q)
+    allowed = (key_pos >= 0) & (key_pos <= query_pos)
     if window is not None:
-        allowed = allowed & ((q - kp < window) | (kp < num_sinks))
-    return allowed[:, None]
+        allowed = allowed & ((query_pos - key_pos < window) | (key_pos < num_sinks))
+    return allowed
 
 
 def effective_window(config_window: int | None, cache: object | None) -> tuple[int | None, int]:
