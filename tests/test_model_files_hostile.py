@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 
 from edgefinfer.bundle import MANIFEST
-from edgefinfer.checkpoint import load_model, save_model
+from edgefinfer.checkpoint import load_model
 from edgefinfer.errors import UserError
 from edgefinfer.gguf_import import open_gguf
 from edgefinfer.model_files import check_gguf
 from edgefinfer.tokenizer import Tokenizer
-from tests.helpers import tiny_model, tiny_tokenizer
+from tests.files_harness import build, make_tiny_model_dir
 
 
 def cli(*args, timeout=120):
@@ -33,21 +33,14 @@ def cli(*args, timeout=120):
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("hostile") / "tiny"
-    tok = tiny_tokenizer(320)
-    save_model(tiny_model(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128,
-                          max_position_embeddings=256), folder)
-    tok.save(folder)
-    return folder
+    return make_tiny_model_dir(tmp_path_factory.mktemp("hostile") / "tiny")
 
 
 @pytest.fixture(scope="module")
 def gpu_bundle(tiny_dir, tmp_path_factory) -> Path:
     """A real gpu-server bundle (llama.cpp's Q4_1 of the tiny model): ~5 s."""
     out = tmp_path_factory.mktemp("hostile") / "gpu"
-    proc = cli("build", "--target", "gpu-server", "--model", str(tiny_dir), "-o", str(out), "--eval-tokens", "64",
-               timeout=600)
-    assert proc.returncode == 0, proc.stderr
+    build(tiny_dir, out)
     return out
 
 
