@@ -29,7 +29,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from edgefinfer.errors import UserError
 from edgefinfer.sampling import SamplingParams
 from edgefinfer.server_gpu import openai_format as fmt
-from edgefinfer.server_gpu.engine import Engine
+from edgefinfer.server_gpu.engine import ServingEngine
 from edgefinfer.server_gpu.metrics import CONTENT_TYPE
 from edgefinfer.server_gpu.protocol import (APIError, ChatCompletionRequest, ChatCompletionResponse,
                                             CompletionRequest, CompletionResponse, ErrorResponse, ModelList,
@@ -55,7 +55,7 @@ _STREAMED = {200: {"content": {"text/event-stream": {"schema": {
 
 
 # ------------------------------------------------------------------------------------------- app
-def create_app(engine: Engine, model_name: str, api_key: str | None = None,
+def create_app(engine: ServingEngine, model_name: str, api_key: str | None = None,
                limits: ServerLimits = ServerLimits(), close_engine: bool = True) -> FastAPI:
     """The ASGI app. Its lifespan starts the engine thread on the server's event loop, and at shutdown
     stops it and (with `close_engine`) frees the model and its KV memory. `app.state.shutdown` drains
@@ -163,7 +163,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None,
 
 
 # ------------------------------------------------------------------------------------------- validation
-def _completion_prompts(engine: Engine, prompt: object, max_prompt: int) -> list[list[int]]:
+def _completion_prompts(engine: ServingEngine, prompt: object, max_prompt: int) -> list[list[int]]:
     if isinstance(prompt, str):
         prompts = [engine.tokenizer.encode(_check_text(prompt, "prompt"), add_special_tokens=True)]
     elif prompt and all(isinstance(p, str) for p in prompt):
@@ -261,7 +261,7 @@ def _logit_bias(bias: dict[str, float], vocab: int) -> tuple[tuple[int, float], 
 class Submission:
     """Requests for one HTTP call (one per prompt) and the queue their outputs arrive on."""
 
-    def __init__(self, engine: Engine, request_id: str, prompts: list[list[int]], params: GenerationParams):
+    def __init__(self, engine: ServingEngine, request_id: str, prompts: list[list[int]], params: GenerationParams):
         self.engine = engine
         self.queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
         self.pending = {f"{request_id}-{i}": i for i in range(len(prompts))}
@@ -281,8 +281,8 @@ class Submission:
         self.pending.clear()
 
 
-async def _respond(request: Request, engine: Engine, rid: str, prompts: list[list[int]], params: GenerationParams,
-                   builder: fmt.Builder, stream: bool, include_usage: bool) -> Response:
+async def _respond(request: Request, engine: ServingEngine, rid: str, prompts: list[list[int]],
+                   params: GenerationParams, builder: fmt.Builder, stream: bool, include_usage: bool) -> Response:
     sub = Submission(engine, rid, prompts, params)
     if stream:
         return SSEResponse(_sse(sub, builder, include_usage), on_disconnect=sub.abort)
@@ -376,7 +376,7 @@ class Shutdown:
     `grace_s` seconds, then the engine ends what still runs (finish_reason "abort") and `drain` returns
     when every response has been sent, so that uvicorn's own shutdown finds nothing left to cut."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: ServingEngine):
         self.engine = engine
         self.closed = False
         self.in_flight = 0  # HTTP requests inside the app (a stream counts until its last byte)

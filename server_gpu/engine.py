@@ -1,4 +1,4 @@
-"""The engine: one background thread that owns the scheduler and the executor.
+"""The serving engine: one background thread that owns the scheduler and the executor.
 
 llama.cpp is not thread-safe and a forward should never wait for the HTTP side, so everything that
 touches the model, the KV manager or the scheduler runs in this one thread. The asyncio server talks
@@ -18,11 +18,11 @@ from dataclasses import dataclass
 
 from edgefinfer.runtime.kv.block_pool import sha256_block_hash
 from edgefinfer.runtime.kv.paged_manager import PagedKVManager
+from edgefinfer.server_gpu.batched_speculation import SpeculationConfig
 from edgefinfer.server_gpu.interface import Executor, StepPlan
 from edgefinfer.server_gpu.metrics import Metrics
 from edgefinfer.server_gpu.request import ChoiceDelta, GenerationParams, Request, RequestOutput, Status
 from edgefinfer.server_gpu.scheduler import Scheduler, SchedulerConfig, StepStats
-from edgefinfer.server_gpu.speculation import SpeculationConfig
 from edgefinfer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -31,13 +31,13 @@ _STOP = object()
 
 
 @dataclass(frozen=True)
-class EngineConfig:
+class ServingEngineConfig:
     scheduler: SchedulerConfig
     enable_prefix_caching: bool = True
 
 
-class Engine:
-    def __init__(self, executor: Executor, tokenizer: Tokenizer, stop_ids: tuple[int, ...], config: EngineConfig,
+class ServingEngine:
+    def __init__(self, executor: Executor, tokenizer: Tokenizer, stop_ids: tuple[int, ...], config: ServingEngineConfig,
                  speculation: SpeculationConfig | None = None):
         self.executor = executor
         self.tokenizer = tokenizer

@@ -21,10 +21,10 @@ from pathlib import Path
 from edgefinfer.config import normalize_eos_ids
 from edgefinfer.errors import UserError
 from edgefinfer.generation import stop_token_ids
-from edgefinfer.server_gpu.engine import Engine, EngineConfig
+from edgefinfer.server_gpu.batched_speculation import SpeculationConfig
+from edgefinfer.server_gpu.engine import ServingEngine, ServingEngineConfig
 from edgefinfer.server_gpu.interface import Executor
 from edgefinfer.server_gpu.scheduler import SchedulerConfig
-from edgefinfer.server_gpu.speculation import SpeculationConfig
 from edgefinfer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ class _Source:
     name: str
 
 
-def build_engine(opts: ServeOptions) -> tuple[Engine, str]:
+def build_engine(opts: ServeOptions) -> tuple[ServingEngine, str]:
     """The engine (not started) and the model name clients must send."""
     src = _resolve(opts.model)
     backend = opts.backend or ("llamacpp" if src.kind == "gguf" else "torch")
@@ -81,7 +81,8 @@ def build_engine(opts: ServeOptions) -> tuple[Engine, str]:
                             prefill_chunk=min(opts.prefill_chunk, opts.max_num_batched_tokens),
                             preemption=opts.preemption)
     speculation = _speculation(opts, src, backend, executor)
-    engine = Engine(executor, tokenizer, eos, EngineConfig(sched, opts.enable_prefix_caching), speculation)
+    config = ServingEngineConfig(sched, opts.enable_prefix_caching)
+    engine = ServingEngine(executor, tokenizer, eos, config, speculation)
     return engine, opts.served_model_name or src.name
 
 

@@ -39,8 +39,8 @@ from edgefinfer.runtime.speculative.proposers import Draft
 from edgefinfer.server_gpu import sampler
 from edgefinfer.server_gpu.interface import KVOp, SeqWork, StepPlan, StepResult, SwapOp
 from edgefinfer.server_gpu.request import ChoiceDelta, Request, RequestOutput, Seq, Status, TextStream
-from edgefinfer.server_gpu.speculation import (AcceptanceEstimate, SpeculationConfig, StepCostModel, initial_state,
-                                               next_state)
+from edgefinfer.server_gpu.batched_speculation import (AcceptanceEstimate, SpeculationConfig, StepCostModel,
+                                                       initial_state, next_state)
 from edgefinfer.tokenizer import Tokenizer
 
 

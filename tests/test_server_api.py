@@ -326,14 +326,14 @@ def test_draft_model_speculation_verifies_in_the_batch():
 
 
 def test_api_key_is_required_when_set():
-    from edgefinfer.server_gpu.engine import Engine, EngineConfig
+    from edgefinfer.server_gpu.engine import ServingEngine, ServingEngineConfig
     from edgefinfer.server_gpu.executor_torch import TorchExecutor
     from edgefinfer.server_gpu.scheduler import SchedulerConfig
     from tests.helpers import tiny_model, tiny_tokenizer
 
-    engine = Engine(TorchExecutor(tiny_model(), max_num_seqs=2, max_model_len=64, block_size=4), tiny_tokenizer(),
-                    (), EngineConfig(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=16, prefill_chunk=8,
-                                                     max_model_len=64)))
+    engine = ServingEngine(TorchExecutor(tiny_model(), max_num_seqs=2, max_model_len=64, block_size=4),
+                           tiny_tokenizer(), (), ServingEngineConfig(SchedulerConfig(
+                               max_num_seqs=2, max_num_batched_tokens=16, prefill_chunk=8, max_model_len=64)))
     with BackgroundServer(create_app(engine, "tiny", api_key="s3cret")) as srv:
         body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 2}
         denied = httpx.post(srv.url + "/v1/completions", json=body)

@@ -12,12 +12,12 @@ import torch
 
 from edgefinfer.eager_decode import generate_ids
 from edgefinfer.sampling import SamplingParams
-from edgefinfer.server_gpu.engine import Engine, EngineConfig
+from edgefinfer.server_gpu.batched_speculation import SpeculationConfig, StepCostModel
+from edgefinfer.server_gpu.engine import ServingEngine, ServingEngineConfig
 from edgefinfer.server_gpu.executor_torch import TorchExecutor
 from edgefinfer.server_gpu.metrics import Histogram, Metrics
 from edgefinfer.server_gpu.request import GenerationParams, Request, RequestOutput, Status
 from edgefinfer.server_gpu.scheduler import SchedulerConfig
-from edgefinfer.server_gpu.speculation import SpeculationConfig, StepCostModel
 from edgefinfer.runtime.speculative.proposers import PromptLookupProposer
 from tests.helpers import tiny_model, tiny_tokenizer
 
@@ -25,7 +25,7 @@ BS = 4
 
 
 @contextmanager
-def running(engine: Engine):
+def running(engine: ServingEngine):
     """The engine's step loop, stopped however the test ends."""
     engine.start()
     try:
@@ -45,15 +45,15 @@ def tokenizer():
 
 
 def make_engine(model, tokenizer, num_blocks=None, max_num_seqs=8, chunk=8, budget=24, speculation=None,
-                prefix_caching=True) -> Engine:
+                prefix_caching=True) -> ServingEngine:
     executor = TorchExecutor(model, max_num_seqs=max_num_seqs, max_model_len=128, block_size=BS,
                              num_blocks=num_blocks)
-    config = EngineConfig(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                                          prefill_chunk=chunk, max_model_len=128), prefix_caching)
-    return Engine(executor, tokenizer, (), config, speculation)
+    config = ServingEngineConfig(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                                                 prefill_chunk=chunk, max_model_len=128), prefix_caching)
+    return ServingEngine(executor, tokenizer, (), config, speculation)
 
 
-def run(engine: Engine, prompts: list[list[int]], params: GenerationParams, timeout: float = 60.0,
+def run(engine: ServingEngine, prompts: list[list[int]], params: GenerationParams, timeout: float = 60.0,
         on_output=None) -> list[dict[int, list[int]]]:
     """Submit every prompt at once; per request, the token ids of each choice."""
     results: list[dict[int, list[int]]] = [{} for _ in prompts]
@@ -89,7 +89,7 @@ def prompts_of(lengths: list[int], seed: int = 0) -> list[list[int]]:
     return [torch.randint(0, 96, (n,), generator=g).tolist() for n in lengths]
 
 
-def wait_idle(engine: Engine, timeout: float = 10.0) -> dict:
+def wait_idle(engine: ServingEngine, timeout: float = 10.0) -> dict:
     """The engine's published state once nothing runs (the snapshot trails the last step)."""
     import time
 
