@@ -1,12 +1,11 @@
 """Dependencies run one way (issue 16): every import in the package, at module level or inside a
-function, goes down the layers, never up or sideways.
+function, goes down the layers, never up or sideways, and no modules import each other in a loop.
 
     foundation (edgefinfer.*: model, config, tokenizer, checkpoint, data, errors, bundle, artefact, ...)
-      -> prune -> distill          the build side: compression
-      -> compile                   the build side: exporters
-      -> runtime                   the inference side: one sequence on a device
-      -> server_gpu                the inference side: continuous batching on a server
-      -> app                       the CLI, build, peer-runner checks: the only layer that orchestrates
+      -> prune -> distill        the build side: compression          (A -> B: B may import A)
+      -> compile                 the build side: exporters
+      -> runtime -> server_gpu   the inference side: one sequence on a device, batching on a server
+      -> app                     on top of all of them: the CLI, build, peer-runner checks (orchestration)
 
 The inference side never imports the build side: a phone install has no exporter, no torchao, no
 training code (tests/test_runtime_only_install.py checks that at run time; this checks every line).
@@ -72,12 +71,24 @@ def package_modules(root: Path = ROOT) -> dict[str, Path]:
     return modules
 
 
-def imported_modules(module: str, source: str, is_package: bool, known: set[str]) -> list[tuple[int, str]]:
-    """(line, module) for every import of the package in `source`, wherever it stands. `from a import b`
-    counts as importing a.b when that is a module (e.g. `from edgefinfer import reference`)."""
+def _type_only(tree: ast.AST) -> set[int]:
+    """ids of the nodes under `if TYPE_CHECKING:`: imports for annotations, never run."""
+    return {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            for stmt in node.body for n in ast.walk(stmt)}
+
+
+def imported_modules(module: str, source: str, is_package: bool, known: set[str],
+                     type_only: bool = True) -> list[tuple[int, str]]:
+    """(line, module) for every import of the package in `source`, wherever it stands (without those
+    under `if TYPE_CHECKING:` when not `type_only`). `from a import b` counts as importing a.b when
+    that is a module (e.g. `from edgefinfer import reference`)."""
     here = module if is_package else module.rpartition(".")[0]
+    tree = ast.parse(source)
+    skip = set() if type_only else _type_only(tree)
     found = []
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
         if isinstance(node, ast.Import):
             found += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] == PACKAGE]
         elif isinstance(node, ast.ImportFrom):
@@ -105,6 +116,30 @@ def violations(sources: dict[str, tuple[str, str, bool]]) -> list[Violation]:
     return sorted(bad, key=lambda v: (v.file, v.line))
 
 
+def import_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of the import graph as [a, b, ..., a], or None (depth-first search)."""
+    on_path: list[str] = []
+    done: set[str] = set()
+
+    def visit(v: str) -> list[str] | None:
+        on_path.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w in on_path:
+                return on_path[on_path.index(w):] + [w]
+            if w not in done and (cycle := visit(w)):
+                return cycle
+        done.add(on_path.pop())
+        return None
+
+    return next((c for v in sorted(graph) if v not in done and (c := visit(v))), None)
+
+
+def run_time_graph(sources: dict[str, tuple[str, str, bool]]) -> dict[str, set[str]]:
+    known = set(sources)
+    return {m: {i for _, i in imported_modules(m, text, is_package, known, type_only=False) if i in known} - {m}
+            for m, (_, text, is_package) in sources.items()}
+
+
 def read_sources(modules: dict[str, Path]) -> dict[str, tuple[str, str, bool]]:
     return {m: (str(p.relative_to(ROOT)), p.read_text(), p.stem == "__init__") for m, p in modules.items()}
 
@@ -115,6 +150,24 @@ def test_every_import_goes_down_the_layers():
     assert "edgefinfer.app.cli" in modules and "edgefinfer.runtime.backends.ort" in modules
     bad = violations(read_sources(modules))
     assert not bad, "imports against the layering:\n" + "\n".join(map(str, bad))
+
+
+def test_no_import_cycles():
+    """Not even through a function-level import (the old way round a cycle: `edgefinfer.cli` <->
+    `prune/cli.py`); an import under `if TYPE_CHECKING:` never runs, so it may close a loop."""
+    assert import_cycle(run_time_graph(read_sources(package_modules()))) is None
+
+
+def test_the_cycle_finder():
+    assert import_cycle({"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert import_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+    sources = {"edgefinfer.cli": ("edge/cli.py", "from edgefinfer.prune import cli\n", False),
+               "edgefinfer.prune.cli": ("prune/cli.py", "def f():\n    from edgefinfer.cli import x\n", False),
+               "edgefinfer.kv": ("edge/kv.py", "if TYPE_CHECKING:\n    from edgefinfer.store import S\n", False),
+               "edgefinfer.store": ("edge/store.py", "from edgefinfer.kv import K\n", False)}
+    assert import_cycle(run_time_graph(sources)) == ["edgefinfer.cli", "edgefinfer.prune.cli", "edgefinfer.cli"]
+    del sources["edgefinfer.prune.cli"]
+    assert import_cycle(run_time_graph(sources)) is None  # the TYPE_CHECKING import does not count
 
 
 def test_no_cli_module_sits_below_the_app():
