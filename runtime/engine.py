@@ -11,7 +11,6 @@ before anything is loaded. The runtime never imports the exporters (`edgefinfer.
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 from dataclasses import dataclass
@@ -20,9 +19,9 @@ from typing import Callable, Iterator
 
 import psutil
 
-from edgefinfer.config import normalize_eos_ids
 from edgefinfer.errors import UserError
 from edgefinfer.generation import Generation, detokenize, encode_prompt, stop_token_ids
+from edgefinfer.resolve import resolve
 from edgefinfer.runtime.backends.base import Backend
 from edgefinfer.runtime.decode import Speculation, generate_tokens
 from edgefinfer.sampling import SamplingParams
@@ -94,46 +93,23 @@ class SpeculativeOption:
 
 def open_backend(path: str | Path, kind: str | None = None, kv: KVSpec = KVSpec(), threads: int | None = None,
                  max_seq_len: int | None = None) -> tuple[Backend, Tokenizer, dict]:
-    """The backend and tokenizer for an artefact path; `kind` forces a backend."""
-    from edgefinfer.bundle import load_manifest
-
-    path = Path(path)
-    if not path.exists():
-        raise UserError(f"{path} does not exist (give a bundle folder, .pte, .onnx, .gguf or HF folder)")
-    if path.is_dir() and (path / "manifest.json").is_file():
-        manifest = load_manifest(path)
-        art = manifest.artefact("model", kind) if kind else manifest.artefact("model")
-        if art is None:
-            raise UserError(f"bundle {path} has no model artefact" + (f" for backend {kind!r}" if kind else ""))
-        if art.format == "qnn-context":  # static graphs: QNN EP (HTP / emulator) or CPU EP, see open_qnn
+    """The backend and tokenizer for an artefact path (see `edgefinfer.resolve`); `kind` forces a backend."""
+    src = resolve(path, kind)
+    eos = src.eos_ids or ()
+    if src.kind == "bundle":
+        if src.entry.format == "qnn-context":  # static graphs: QNN EP (HTP / emulator) or CPU EP, see open_qnn
             from edgefinfer.runtime.backends.ort import open_qnn
 
             if kv.kind != "static":
                 raise UserError("a QNN bundle's cache is fixed at build time (a window of --max-seq-len slots); "
                                 "drop --kv")
-            backend = open_qnn(path, art.meta, threads=threads)
+            backend = open_qnn(src.folder, src.entry.meta, threads=threads)
         else:
-            backend = _open(path / art.path, art.backend, kv, threads, max_seq_len)
-        eos = normalize_eos_ids(manifest.model.get("config", {}).get("eos_token_id"))
-        return backend, Tokenizer.from_dir(path), {"bundle": manifest.target, "artefact": art.path, "eos_ids": eos}
-    backend_kind = kind or _guess_backend(path)
-    backend = _open(path, backend_kind, kv, threads, max_seq_len)
-    folder = path if path.is_dir() else path.parent
-    cfg = json.loads((folder / "config.json").read_text()) if (folder / "config.json").is_file() else {}
-    eos = normalize_eos_ids(cfg.get("eos_token_id"))
-    return backend, _tokenizer_for(path, backend_kind), {"artefact": str(path), "eos_ids": eos}
-
-
-def _guess_backend(path: Path) -> str:
-    if path.suffix == ".pte":
-        return "executorch"
-    if path.suffix == ".gguf":
-        return "llamacpp"
-    if path.suffix == ".onnx" or (path.is_dir() and (path / "model.onnx").is_file()):
-        return "onnxruntime"
-    if path.is_dir() and (path / "config.json").is_file():
-        return "torch"
-    raise UserError(f"cannot tell what {path} is: expected a bundle, .pte, .onnx, .gguf or HF folder")
+            backend = _open(src.path, src.backend, kv, threads, max_seq_len)
+        info = {"bundle": src.manifest.target, "artefact": src.entry.path, "eos_ids": eos}
+        return backend, Tokenizer.from_dir(src.folder), info
+    backend = _open(src.path, src.backend, kv, threads, max_seq_len)
+    return backend, _tokenizer_for(src.path, src.backend), {"artefact": str(src.path), "eos_ids": eos}
 
 
 def _open(path: Path, kind: str | None, kv: KVSpec, threads: int | None, max_seq_len: int | None) -> Backend:

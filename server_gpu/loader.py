@@ -18,9 +18,9 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from edgefinfer.config import normalize_eos_ids
 from edgefinfer.errors import UserError
 from edgefinfer.generation import stop_token_ids
+from edgefinfer.resolve import resolve
 from edgefinfer.server_gpu.batched_speculation import SpeculationConfig
 from edgefinfer.server_gpu.engine import ServingEngine, ServingEngineConfig
 from edgefinfer.server_gpu.interface import Executor
@@ -87,34 +87,17 @@ def build_engine(opts: ServeOptions) -> tuple[ServingEngine, str]:
 
 
 def _resolve(model: str) -> _Source:
-    path = Path(model)
-    if not path.exists():
-        from edgefinfer import reference
-
-        if model in reference.MODELS:
-            return _Source("gguf", reference.gguf_path(model), None, None, model)
-        raise UserError(f"{model} does not exist: give a .gguf file, a bundle or HF folder, or one of "
-                        f"{', '.join(reference.MODELS)}")
-    if path.is_file():
-        if path.suffix != ".gguf":
-            raise UserError(f"{path} is not a .gguf file; give a GGUF, a bundle folder or a HF folder")
-        return _Source("gguf", path, None, None, path.stem)
-    if (path / "manifest.json").is_file():
-        from edgefinfer.bundle import load_manifest
-
-        manifest = load_manifest(path)
-        art = next((a for a in manifest.artefacts if a.format == "gguf" and a.role == "model"), None)
-        if art is None:
-            raise UserError(f"bundle {path} has no GGUF model; build one with `edgefinfer build --target gpu-server`")
-        eos = manifest.model.get("config", {}).get("eos_token_id")
-        eos_ids = normalize_eos_ids(eos) if eos is not None else None
-        tok_dir = path if (path / "tokenizer.json").is_file() else None
-        return _Source("gguf", path / art.path, tok_dir, eos_ids, manifest.model.get("name") or path.name)
-    if (path / "config.json").is_file():
-        cfg = json.loads((path / "config.json").read_text())
-        return _Source("hf", path, path, normalize_eos_ids(cfg.get("eos_token_id")), path.name)
-    raise UserError(f"cannot tell what {path} is: expected a .gguf, a bundle (manifest.json) or a HF folder "
-                    f"(config.json)")
+    """MODEL (see `edgefinfer.resolve`) as the server runs it: a GGUF (bare, a bundle's, a shipped
+    model's) or a HF folder."""
+    src = resolve(model, format="gguf", names="gguf")
+    if src.kind == "checkpoint":
+        return _Source("hf", src.path, src.folder, src.eos_ids or (), src.name)
+    if src.backend != "llamacpp":
+        raise UserError(f"{src.path} is not a .gguf file; give a GGUF, a bundle folder or a HF folder")
+    if src.kind == "bundle":  # the bundle's tokenizer.json if it ships one, else the GGUF's
+        tok_dir = src.folder if (src.folder / "tokenizer.json").is_file() else None
+        return _Source("gguf", src.path, tok_dir, src.eos_ids, src.name)
+    return _Source("gguf", src.path, None, None, src.name)
 
 
 @functools.lru_cache(maxsize=4)
