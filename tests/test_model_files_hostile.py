@@ -1,5 +1,5 @@
 """Model files as untrusted input: a regression corpus of damaged and hostile GGUF, safetensors,
-config.json and tokenizer files (the bundle's manifest and paths: test_bundle_hostile.py).
+config.json, tokenizer and ExecuTorch files (the bundle's manifest and paths: test_bundle_hostile.py).
 
 Each mutation must be refused with a one-line UserError, never a traceback, a hang or a native crash.
 Several GGUF mutations here make llama.cpp abort the process (block_count 0 or > 512, a NaN or negative
@@ -289,3 +289,48 @@ def test_corpus_size():
     """Issue 17 asks for at least 40 mutations across bundles and model files; the bundle's are in
     test_bundle_hostile.py (58), these are the model files'."""
     assert len(GGUF_EDITS) + len(SAFETENSORS_EDITS) + len(CONFIG_EDITS) + len(TOKENIZER_EDITS) >= 40
+
+
+# ---- ExecuTorch programs ------------------------------------------------------------------------------
+_PTE_WORKER = """
+import sys
+from edgefinfer.errors import UserError
+from edgefinfer.runtime.backends.executorch import ExecuTorchBackend
+for path in sys.argv[1:]:
+    try:
+        ExecuTorchBackend(path)
+        print("accepted", path, flush=True)
+    except UserError as e:
+        print("refused" if "\\n" not in str(e) else "not one line", path, flush=True)
+"""
+
+
+def test_damaged_executorch_programs_are_refused_not_crashed(tmp_path):
+    """With ExecuTorch's default (Minimal) verification, 19 of these 30 programs with 20 random bytes
+    changed segfault at load_method; the backend verifies the flatbuffer (InternalConsistency)."""
+    import random
+
+    import torch
+    from executorch.exir import to_edge
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.relu(self.w(x)) + 1
+
+    good = to_edge(torch.export.export(Tiny(), (torch.ones(2, 8),))).to_executorch().buffer
+    rng, files = random.Random(0), []
+    for i in range(30):
+        data = bytearray(good)
+        for _ in range(20):
+            data[rng.randrange(16, len(data))] = rng.randrange(256)
+        files.append(tmp_path / f"m{i}.pte")
+        files[-1].write_bytes(bytes(data))
+    proc = subprocess.run([sys.executable, "-c", _PTE_WORKER, *map(str, files)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, f"exit {proc.returncode} after: {proc.stdout[-300:]}"  # -11: a segfault
+    outcomes = [line.split()[0] for line in proc.stdout.splitlines()]
+    assert outcomes == ["refused"] * 30, proc.stdout
