@@ -130,10 +130,8 @@ def _open(path: Path, kind: str | None, kv: KVSpec, threads: int | None, max_seq
             return PagedTorchBackend(load_model(path), kv.block_size, max_seq_len)
         return TorchBackend(load_model(path), max_seq_len=max_seq_len, window=window, num_sinks=kv.sinks)
     if kind == "llamacpp":
-        from edgefinfer.model_files import check_gguf
         from edgefinfer.runtime.backends.llamacpp import LlamaCppBackend
 
-        check_gguf(path)  # llama.cpp aborts the process on some hostile headers (edgefinfer.model_files)
         return LlamaCppBackend(path, n_ctx=max_seq_len or 2048, threads=threads, window=window)
     if kind == "executorch":
         from edgefinfer.runtime.backends.executorch import ExecuTorchBackend

@@ -154,6 +154,15 @@ def test_cli_run_on_a_bundle_with_a_hostile_gguf_exits_2_in_one_line(tmp_path, g
     assert proc.stderr.strip().count("\n") == 0 and words in proc.stderr, proc.stderr
 
 
+def test_cli_serve_on_a_bundle_with_a_hostile_gguf_exits_2_in_one_line(tmp_path, gpu_bundle, gguf_bytes):
+    """The server opens GGUFs through the same binding: checked before llama.cpp sees them."""
+    edit, words = GGUF_EDITS["block_count 0"]
+    bundle = _hostile_bundle(gpu_bundle, tmp_path / "b", "model.gguf", edit(*gguf_bytes))
+    proc = cli("serve", str(bundle), "--port", "0")
+    assert proc.returncode == 2, proc.stderr[-2000:]  # an abort would be -6
+    assert words in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
 def test_cli_run_on_the_good_bundle_still_generates(gpu_bundle):
     proc = cli("run", str(gpu_bundle), "-p", "It is a truth", "--max-tokens", "4")
     assert proc.returncode == 0, proc.stderr
