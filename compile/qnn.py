@@ -3,13 +3,22 @@
     build_qnn(model, out_dir, soc="sm8650", context=1024, chunk=64)
       1. `export_static_decode` twice, as Qualcomm's Genie pairs them: a prompt processor (`chunk`
          tokens per call) and a token generator (1 token), both over one `context`-slot cache
-      2. `quantize_qdq`: onnxruntime's QNN QDQ config (A16W8 by default, or A8W8); the activation
-         ranges are calibrated once, on the float prompt processor reading the calibration text, and
-         both graphs are quantized with those same ranges (one calibration cache), so they agree
+      2. `quantize_qdq`: onnxruntime's QNN QDQ config (A16W8 by default, or A8W8), weights int8 per
+         output channel; the activation ranges are calibrated once, on the float prompt processor
+         reading the calibration text behind the attention sink, and both graphs are quantized with
+         those same ranges (one calibration cache), so they agree
       3. `compile_context`: the `onnxruntime-qnn` plugin EP compiles each graph offline into an
          EPContext model + QNN context binary for the SoC's HTP architecture
       -> model_ctx.onnx / prompt_ctx.onnx + *.bin (the phone), model_qdq.onnx / prompt_qdq.onnx (the
-         same graphs for ONNX Runtime's CPU EP: the fallback, and how the build measures perplexity)
+         same graphs for ONNX Runtime's CPU EP: the fallback, and how the build measures perplexity),
+         sink_kv.npy (the attention sink: one token's float keys and values, held in cache slot 0)
+
+Why the sink and per-channel weights (SmolLM2-135M, A16W8, 1024 test tokens, window 256, CPU EP;
+float 40.95): per-tensor weights and no sink 48.16; sink 47.70; sink + per-channel weights 44.36.
+Without them the HTP emulator and the CPU EP part at the 7th greedy token of a chat prompt (logits
+RMS 0.4-1.4 apart); with them they agree on every step (RMS 0.1-0.5). The first position's residual
+stream reaches |x| ~ 2e4 on SmolLM2 (~1e3 elsewhere): with its keys and values computed once in float
+(PrefixQuant, Chen et al. 2024), the graphs never see it and the 16-bit ranges shrink ~20x.
 
 The runtime runs them (`edgefinfer.runtime.backends.ort.open_qnn`): on the QNN EP where
 `onnxruntime-qnn` is installed (on a PC, its x86 HTP emulator, ~1 s per token for a small model), on
@@ -85,10 +94,13 @@ def qnn_session(model_path: str | Path, soc: str | Soc):
 
 # ---- QDQ quantization ---------------------------------------------------------------------------------
 
-# The inputs of every call the float static graph runs while reading token streams (teacher forced):
-# running a graph is the runtime's job (`edgefinfer.runtime.backends.ort.recorded_feeds`), which an
-# exporter may not import, so the caller passes it in.
-RecordFeeds = Callable[[Path, Sequence[Sequence[int]]], list[dict[str, np.ndarray]]]
+# Running a graph is the runtime's job, which an exporter may not import, so the caller passes in
+# `edgefinfer.runtime.backends.ort.recorded_feeds`: the inputs of every call the float static graph
+# runs while reading token streams (teacher forced), behind an attention sink if given; and
+# `attention_sink`: one token's float keys and values at position 0, computed by the float graph.
+RecordFeeds = Callable[..., list[dict[str, np.ndarray]]]  # (graph, streams, sink=None)
+SinkOf = Callable[[Path, int], np.ndarray]  # (graph, token) -> [n_layers, 2, n_kv, head_dim]
+SINK_FILE = "sink_kv.npy"
 
 
 class _Feeds:
@@ -103,7 +115,9 @@ class _Feeds:
 
 def quantize_qdq(float_path: Path, out_path: Path, feeds: list[dict[str, np.ndarray]] | None, scheme: str = "a16w8",
                  ranges: Path | None = None) -> Path:
-    """A QDQ copy of the float graph for the QNN HTP: activations uint16 (a16w8) or uint8, weights uint8.
+    """A QDQ copy of the float graph for the QNN HTP: activations uint16 (a16w8) or uint8; MatMul weights
+    int8, symmetric, one scale per output channel (the form the HTP takes per-channel weights in;
+    onnxruntime's QNN config only does that for Conv), other weights uint8 per tensor.
 
     ranges: a calibration cache (JSON of activation ranges by tensor name). If it exists, its ranges
         are used and `feeds` may be None; otherwise the ranges are calibrated on `feeds` and saved
@@ -117,7 +131,10 @@ def quantize_qdq(float_path: Path, out_path: Path, feeds: list[dict[str, np.ndar
     if not feeds and not (ranges is not None and ranges.is_file()):
         raise UserError("QDQ calibration needs at least one token of calibration text")
     act = QuantType.QUInt16 if scheme == "a16w8" else QuantType.QUInt8
-    c = get_qnn_qdq_config(str(float_path), _Feeds(feeds or []), activation_type=act, weight_type=QuantType.QUInt8)
+    per_channel = {w: [{"axis": 1, "quant_type": QuantType.QInt8, "symmetric": True}]
+                   for w in _matmul_weights(float_path)}
+    c = get_qnn_qdq_config(str(float_path), _Feeds(feeds or []), activation_type=act, weight_type=QuantType.QUInt8,
+                           init_overrides=per_channel)
     # quantize_static rather than quantize(config): only it takes the calibration cache.
     quantize_static(str(float_path), str(out_path), c.calibration_data_reader if feeds else None,
                     calibrate_method=c.calibrate_method, quant_format=c.quant_format,
@@ -127,6 +144,15 @@ def quantize_qdq(float_path: Path, out_path: Path, feeds: list[dict[str, np.ndar
                     use_external_data_format=True, calibration_providers=c.calibration_providers,
                     extra_options=c.extra_options, calibration_cache_path=ranges)
     return out_path
+
+
+def _matmul_weights(graph: Path) -> list[str]:
+    """The initializers that are a MatMul's weight ([in, out]: per-channel along axis 1)."""
+    import onnx
+
+    proto = onnx.load(str(graph), load_external_data=False)
+    inits = {i.name for i in proto.graph.initializer}
+    return sorted({n.input[1] for n in proto.graph.node if n.op_type == "MatMul" and n.input[1] in inits})
 
 
 def compile_context(qdq_path: Path, ctx_path: Path, soc: Soc) -> list[str]:
@@ -151,7 +177,8 @@ def compile_context(qdq_path: Path, ctx_path: Path, soc: Soc) -> list[str]:
 def build_qnn(model: Transformer, out_dir: str | Path, *, soc: str = "sm8650", context: int = 1024, chunk: int = 64,
               scheme: str = "a16w8", calibration: Sequence[Sequence[int]] | None = None,
               max_seq_len: int | None = None, keep_float: bool = False,
-              progress: Callable[[str], None] | None = None, record_feeds: RecordFeeds) -> dict[str, Any]:
+              progress: Callable[[str], None] | None = None, record_feeds: RecordFeeds,
+              sink_token: int | None = None, sink_of: SinkOf | None = None) -> dict[str, Any]:
     """Float static graphs -> QDQ -> QNN context binaries in `out_dir`. Returns the artefact metadata,
     which `edgefinfer.runtime.backends.ort.open_qnn` reads to run them.
 
@@ -162,12 +189,16 @@ def build_qnn(model: Transformer, out_dir: str | Path, *, soc: str = "sm8650", c
     max_seq_len: RoPE positions in the graphs (default: the model's).
     record_feeds: runs the float graph over `calibration` and returns each call's inputs (the
         runtime's `recorded_feeds`).
+    sink_token: a token whose float keys and values (`sink_of`: the runtime's `attention_sink`) fill
+        cache slot 0 of every sequence, written to sink_kv.npy (None: no sink, every slot for the stream).
     """
     say = progress or (lambda _m: None)
     target = get_soc(soc)
     if chunk < 1 or context < 1:
         raise UserError(f"the QNN graphs need context >= 1 and chunk >= 1, got context={context}, chunk={chunk}")
     chunk = min(chunk, context)  # a call never takes more tokens than the cache holds
+    if sink_token is not None and (sink_of is None or context < 2):
+        raise UserError("an attention sink needs sink_of (the runtime's attention_sink) and context >= 2")
     require_qnn()  # fail before any work when the package is missing
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -182,7 +213,11 @@ def build_qnn(model: Transformer, out_dir: str | Path, *, soc: str = "sm8650", c
     say(f"[qnn] static graphs: {', '.join(str(g[3]) for g in graphs)} token(s) per call over {context} cache slots "
         f"({time.perf_counter() - t0:.1f}s)")
     streams = calibration or [np.random.default_rng(0).integers(0, model.config.vocab_size, 64).tolist()]
-    feeds = record_feeds(out / graphs[0][0], streams)
+    sink = None
+    if sink_token is not None:
+        sink = sink_of(out / graphs[0][0], sink_token)
+        np.save(out / SINK_FILE, sink)
+    feeds = record_feeds(out / graphs[0][0], streams, sink=sink)
     calibration_calls = len(feeds)
     ranges = out / CALIBRATION_FILE
     ranges.unlink(missing_ok=True)
@@ -207,6 +242,7 @@ def build_qnn(model: Transformer, out_dir: str | Path, *, soc: str = "sm8650", c
             "prompt_qdq_model": PROMPT_QDQ_FILE if chunk > 1 else None, "prompt_chunk": chunk,
             "context_binaries": sorted(b for v in bins.values() for b in v),
             "scheme": scheme, "calibration_calls": calibration_calls,
+            "sink_kv": SINK_FILE if sink is not None else None, "sink_token": sink_token,
             "soc": target.name, "soc_model": target.soc_model, "htp_arch": target.htp_arch,
             "seconds": round(time.perf_counter() - t0, 2),
             "graph": ONNX_GRAPHS[read_spec("onnx", read_metadata(out / QDQ_FILE)).format]}

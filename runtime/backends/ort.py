@@ -89,14 +89,31 @@ def open_qnn(folder: str | Path, meta: dict[str, Any], ep: str | None = None, th
     generator, prompt = (meta.get(k) for k in keys)
     if not generator:
         raise UserError(f"the QNN bundle at {folder} names no {keys[0]} in its manifest; rebuild it")
+    sink = load_sink(folder, meta.get("sink_kv"))
     if ep == "cpu":
-        return OrtStaticBackend(folder / generator, threads=threads, prefill=folder / prompt if prompt else None)
+        return OrtStaticBackend(folder / generator, threads=threads, prefill=folder / prompt if prompt else None,
+                                sink=sink)
 
     def session(name: str):
         return qnn_context_session(folder / name, int(meta["htp_arch"]), int(meta["soc_model"]))
 
     return OrtStaticBackend(folder / generator, session=session(generator), prefill=folder / prompt if prompt else None,
-                            prefill_session=session(prompt) if prompt else None)
+                            prefill_session=session(prompt) if prompt else None, sink=sink)
+
+
+def load_sink(folder: Path, name: str | None) -> np.ndarray | None:
+    """A bundle's attention-sink file (`np.save`d float keys and values), or None if it names none."""
+    if name is None:
+        return None
+    path = folder / str(name)
+    if Path(str(name)).name != str(name) or not path.is_file():
+        raise UserError(f"the QNN bundle at {folder} names the attention sink {name!r}, which is not a file "
+                        "in the bundle; rebuild it")
+    try:
+        return np.load(path, allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:
+        raise UserError(f"{path} is not a readable attention sink ({str(e).splitlines()[0][:120]}); rebuild "
+                        "the bundle") from None
 
 
 def _genai_decoder(model_path: Path) -> dict[str, Any]:
@@ -246,13 +263,20 @@ class OrtStaticBackend:
     `session` / `prefill_session` let the caller pass sessions built with special options (an EP
     plugin); otherwise CPU sessions are created. `observer`, if given, sees every feed before it runs
     (quantization calibration records them; the cache arrays in a feed are views: copy to keep them).
+
+    `sink` ([n_layers, 2 (key, value), n_kv, head_dim], from `attention_sink`): the keys and values of
+    one token at position 0, computed once in float, held in slot 0 for every sequence. The stream
+    then sits at graph positions 1.. over the other slots, and the quantized graphs never see the
+    first position's massive activations (PrefixQuant, Chen et al. 2024): on SmolLM2 the residual
+    stream reaches |x| ~ 2e4 there and ~1e3 elsewhere, so the calibrated ranges shrink ~20x.
     """
 
     name = "onnxruntime"
 
     def __init__(self, onnx_dir_or_path: str | Path, providers: Sequence[Any] | None = None,
                  threads: int | None = None, session: Any | None = None, prefill: str | Path | None = None,
-                 prefill_session: Any | None = None, observer: Callable[[dict[str, np.ndarray]], None] | None = None):
+                 prefill_session: Any | None = None, observer: Callable[[dict[str, np.ndarray]], None] | None = None,
+                 sink: np.ndarray | None = None):
         ort = _import_ort()
 
         def open_graph(path: Path, given: Any | None) -> _StaticGraph:
@@ -272,12 +296,16 @@ class OrtStaticBackend:
         self.n_layers, self.slots, self.vocab_size, self.kv_dtype = first.n_layers, first.slots, first.vocab_size, \
             first.kv_dtype
         self.window = first.artefact.kv.window or self.slots
-        # The cache is a ring, so the stream is unbounded; RoPE tables bound the positions.
-        self.max_seq_len = first.artefact.kv.max_seq_len or UNBOUNDED
         self.observer = observer
         self.k = np.zeros((self.n_layers, 1, first.n_kv, self.slots, first.head_dim), self.kv_dtype)
         self.v = np.zeros_like(self.k)
-        self.slot_pos = np.full(self.slots, -1, np.int64)  # absolute position held by each slot
+        self.slot_pos = np.full(self.slots, -1, np.int64)  # graph position held by each slot
+        self.sink = None if sink is None else _checked_sink(sink, self.k.shape, self.path)
+        self.offset = int(self.sink is not None)  # graph position of the stream's first token
+        # The cache is a ring, so the stream is unbounded; RoPE tables bound the positions.
+        rope = first.artefact.kv.max_seq_len
+        self.max_seq_len = rope - self.offset if rope else UNBOUNDED
+        self.reset()
 
     @property
     def session(self) -> Any:
@@ -295,9 +323,11 @@ class OrtStaticBackend:
     def _call(self, graph: _StaticGraph, tokens: Sequence[int], start: int) -> np.ndarray:
         """Run `tokens` (at most graph.chunk) at positions start..; cache them; return their logits."""
         n, S = len(tokens), graph.chunk
+        start += self.offset  # graph positions
         qpos = start + np.arange(S)  # padding continues the positions; nothing real ever sees it
         visible = ((self.slot_pos[None] >= 0) & (self.slot_pos[None] < start)
                    & (qpos[:, None] - self.slot_pos[None] < self.window))
+        visible[:, :self.offset] = True  # the sink: always seen
         ids = np.zeros((1, S), graph.ids_dtype)
         ids[0, :n] = tokens
         feed = {"input_ids": ids, "position_ids": np.minimum(qpos, self.max_seq_len - 1)[None].astype(graph.pos_dtype),
@@ -308,7 +338,8 @@ class OrtStaticBackend:
         if self.observer is not None:
             self.observer(feed)
         out = dict(zip(graph.outputs, graph.session.run(None, feed)))
-        slots = (start + np.arange(n)) % self.slots
+        ring = self.slots - self.offset  # the sink keeps slot 0
+        slots = self.offset + (start - self.offset + np.arange(n)) % ring
         for i in range(self.n_layers):
             self.k[i][:, :, slots] = out[f"present.{i}.key"][:, :, :n]
             self.v[i][:, :, slots] = out[f"present.{i}.value"][:, :, :n]
@@ -331,24 +362,49 @@ class OrtStaticBackend:
     def rollback(self, length: int) -> None:
         """Hide positions >= length. Exact for k rolled-back tokens when slots >= window - 1 + k (the
         rejected tokens must not have overwritten history still inside the window)."""
-        self.slot_pos[self.slot_pos >= length] = -1
+        self.slot_pos[self.slot_pos >= length + self.offset] = -1
 
     def reset(self) -> None:
         self.slot_pos[:] = -1
+        if self.sink is not None:
+            self.k[:, 0, :, 0], self.v[:, 0, :, 0] = self.sink[:, 0], self.sink[:, 1]
+            self.slot_pos[0] = 0
 
 
-def recorded_feeds(static_graph: Path, token_streams: Sequence[Sequence[int]], max_calls: int = 16
-                   ) -> list[dict[str, np.ndarray]]:
+def _checked_sink(sink: np.ndarray, cache_shape: tuple[int, ...], graph: Path) -> np.ndarray:
+    """The sink's keys and values, checked against the graph's cache [n_layers, 1, n_kv, slots, head_dim]."""
+    n_layers, _, n_kv, slots, head_dim = cache_shape
+    sink = np.asarray(sink)
+    if sink.shape != (n_layers, 2, n_kv, head_dim) or not np.issubdtype(sink.dtype, np.floating) \
+            or not np.isfinite(sink).all():
+        raise UserError(f"the attention sink does not fit {graph.name}: expected finite floats of shape "
+                        f"{(n_layers, 2, n_kv, head_dim)}, got {sink.dtype} {sink.shape}; rebuild the bundle")
+    if slots < 2:
+        raise UserError(f"{graph.name} has {slots} cache slot(s): an attention sink needs at least 2")
+    return sink
+
+
+def attention_sink(static_graph: Path, token: int) -> np.ndarray:
+    """The float keys and values of `token` at position 0 ([n_layers, 2, n_kv, head_dim]), computed by
+    the (float) static graph itself, for `OrtStaticBackend(sink=...)`."""
+    backend = OrtStaticBackend(static_graph, threads=1)
+    backend.forward([token], 0)
+    return np.stack([backend.k[:, 0, :, 0], backend.v[:, 0, :, 0]], 1).astype(np.float32)
+
+
+def recorded_feeds(static_graph: Path, token_streams: Sequence[Sequence[int]], max_calls: int = 16,
+                   sink: np.ndarray | None = None) -> list[dict[str, np.ndarray]]:
     """The inputs of every call the static graph runs while reading `token_streams` (teacher forced),
-    at most `max_calls`: what QDQ calibration observes (`edgefinfer.compile.qnn.build_qnn`)."""
+    at most `max_calls`, behind `sink` if given: what QDQ calibration observes
+    (`edgefinfer.compile.qnn.build_qnn`)."""
     feeds: list[dict[str, np.ndarray]] = []
     # The cache arrays in a feed are the backend's own (updated in place): keep copies.
-    backend = OrtStaticBackend(static_graph, threads=1,
+    backend = OrtStaticBackend(static_graph, threads=1, sink=sink,
                                observer=lambda feed: feeds.append({k: v.copy() for k, v in feed.items()}))
     chunk = backend.graphs[0].chunk
     for stream in token_streams:
         backend.reset()
-        backend.forward(list(stream)[: (max_calls - len(feeds)) * chunk], 0)
+        backend.forward(list(stream)[: min((max_calls - len(feeds)) * chunk, backend.max_seq_len)], 0)
         if len(feeds) >= max_calls:
             break
     return feeds
