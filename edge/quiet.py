@@ -30,7 +30,10 @@ from typing import Iterator
 
 # Lines written by native code that are dropped (matched anywhere in the line).
 NATIVE_NOISE = re.compile(r"^\[(cpuinfo_utils|threadpool)\.cpp:\d+\] |^\s*# LIBNATIVE: No alternate configuration"
-                          r"|^Failed to load .*torchao/_C|torch/utils/_pytree\.py:\d+\]")
+                          r"|^Failed to load .*torchao/_C|torch/utils/_pytree\.py:\d+\]"
+                          # llama.cpp's quantizer (the gpu-server build): its loader dump, one line a tensor
+                          r"|^llama_model_(loader|quantize_impl): |^\[\s*\d+/\s*\d+\] \S+\s+- \["
+                          r"|^warning: \S+\s+- ncols .* falling back to")
 QUIET_LOGGERS = ("torchao", "torch.utils._pytree", "onnxscript", "onnx_ir")
 
 

@@ -81,6 +81,27 @@ def test_cli_build_and_run_are_quiet_and_the_bundle_readable(tmp_path):
         {p.name: oct(_user_mode()) for p in bundle.iterdir()}
 
 
+@pytest.mark.llamacpp
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="needs llama-cpp-python")
+def test_gpu_server_build_hides_llama_cpp_quantizer_lines_unless_verbose(tmp_path):
+    """llama.cpp's quantizer prints its loader dump and a line a tensor (C stderr); --verbose keeps them."""
+    from edgefinfer.checkpoint import save_model
+
+    tok = tiny_tokenizer(320)
+    save_model(tiny_model(vocab_size=tok.vocab_size, max_position_embeddings=256, hidden_size=64,
+                          intermediate_size=128), tmp_path / "m")
+    tok.save(tmp_path / "m")
+    llama_lines = ("llama_model_loader:", "llama_model_quantize_impl:", "converting to q4_1")
+    for verbose in (False, True):
+        args = ["build", "--target", "gpu-server", "-m", str(tmp_path / "m"), "-o", str(tmp_path / f"b{verbose}"),
+                "--eval-tokens", "0", *(["--verbose"] if verbose else [])]
+        proc = subprocess.run([sys.executable, "-m", "edgefinfer", *args], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        shown = [line for line in (proc.stderr + proc.stdout).splitlines() if any(n in line for n in llama_lines)]
+        assert bool(shown) == verbose, shown[:3]
+        assert "[build 4/5] compile gguf" in proc.stderr
+
+
 def test_atomic_writes_get_the_user_mode(tmp_path):
     """The ExecuTorch cache's writers go through mkstemp (0600); what they leave must be readable."""
     from edgefinfer.compile.et_cache import copy_atomic, write_atomic
