@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
 
+from edgefinfer.config import normalize_eos_ids
 from edgefinfer.errors import UserError
 from edgefinfer.quant_recipe import QuantRecipe, parse_recipe
 
@@ -175,7 +176,7 @@ def _from_pte(methods: Mapping[str, Any]) -> ArtefactSpec:
     return ArtefactSpec("pte", kv, vocab_size=int(methods["get_vocab_size"]),
                         num_layers=int(methods["get_n_layers"]) if "get_n_layers" in methods else None,
                         all_logits=bool(methods.get("edgefinfer_all_logits", False)), bos_id=bos if bos >= 0 else None,
-                        eos_ids=tuple(int(e) for e in (eos if isinstance(eos, list) else [eos])))
+                        eos_ids=tuple(int(e) for e in normalize_eos_ids(eos)))
 
 
 # ---- the bundle manifest ---------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from edgefinfer.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
-class KVSpec:
+class KVOption:
     """`--kv` option: static (default) | window:N[,sinks:S] | paged:BLOCK (the shared paged-KV manager)."""
 
     kind: str = "static"
@@ -38,7 +38,7 @@ class KVSpec:
     block_size: int | None = None
 
     @classmethod
-    def parse(cls, text: str | None) -> "KVSpec":
+    def parse(cls, text: str | None) -> "KVOption":
         if not text or text == "static":
             return cls()
         head, _, rest = text.partition(":")
@@ -91,7 +91,7 @@ class SpeculativeOption:
         raise UserError(f"bad --speculative {text!r}: use draft:PATH[,K] or lookup[:NGRAM][,K]")
 
 
-def open_backend(path: str | Path, kind: str | None = None, kv: KVSpec = KVSpec(), threads: int | None = None,
+def open_backend(path: str | Path, kind: str | None = None, kv: KVOption = KVOption(), threads: int | None = None,
                  max_seq_len: int | None = None) -> tuple[Backend, Tokenizer, dict]:
     """The backend and tokenizer for an artefact path (see `edgefinfer.resolve`); `kind` forces a backend."""
     src = resolve(path, kind)
@@ -112,7 +112,7 @@ def open_backend(path: str | Path, kind: str | None = None, kv: KVSpec = KVSpec(
     return backend, _tokenizer_for(src.path, src.backend), {"artefact": str(src.path), "eos_ids": eos}
 
 
-def _open(path: Path, kind: str | None, kv: KVSpec, threads: int | None, max_seq_len: int | None) -> Backend:
+def _open(path: Path, kind: str | None, kv: KVOption, threads: int | None, max_seq_len: int | None) -> Backend:
     window = kv.window if kv.kind == "window" else None
     if kv.kind == "paged" and kind != "torch":
         raise UserError(f"--kv paged runs on the torch backend (and in `edgefinfer serve`), not on {kind}")
@@ -144,7 +144,7 @@ def _open(path: Path, kind: str | None, kv: KVSpec, threads: int | None, max_seq
     raise UserError(f"unknown backend {kind!r}: use torch, executorch, onnxruntime or llamacpp")
 
 
-def _check_cache(backend: Backend, kv: KVSpec) -> Backend:
+def _check_cache(backend: Backend, kv: KVOption) -> Backend:
     """A compiled artefact's cache layout is fixed at export (`backend.artefact.kv`, read from the
     artefact's own metadata): `--kv window:N` must match it."""
     if kv.kind != "window":
@@ -179,10 +179,10 @@ class Engine:
         self._lock = threading.Lock()  # one stream at a time owns the backend's cache
 
     @classmethod
-    def load(cls, path: str | Path, backend: str | None = None, kv: str | KVSpec | None = None,
+    def load(cls, path: str | Path, backend: str | None = None, kv: str | KVOption | None = None,
              speculative: str | SpeculativeOption | None = None, threads: int | None = None,
              max_seq_len: int | None = None) -> "Engine":
-        kv = kv if isinstance(kv, KVSpec) else KVSpec.parse(kv)
+        kv = kv if isinstance(kv, KVOption) else KVOption.parse(kv)
         spec = (speculative if isinstance(speculative, SpeculativeOption) or speculative is None
                 else SpeculativeOption.parse(speculative))
         be, tok, info = open_backend(path, backend, kv, threads, max_seq_len)
@@ -218,7 +218,7 @@ class Engine:
         return result
 
 
-def _speculation(spec: SpeculativeOption, target: Backend, kv: KVSpec, threads: int | None) -> Speculation:
+def _speculation(spec: SpeculativeOption, target: Backend, kv: KVOption, threads: int | None) -> Speculation:
     import torch
 
     from edgefinfer.runtime.speculative.proposers import DraftModelProposer, PromptLookupProposer

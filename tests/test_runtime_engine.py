@@ -8,7 +8,7 @@ import pytest
 from edgefinfer.checkpoint import save_model
 from edgefinfer.eager_decode import generate_ids, generate_text
 from edgefinfer.errors import UserError
-from edgefinfer.runtime.engine import Engine, KVSpec, SpeculativeOption
+from edgefinfer.runtime.engine import Engine, KVOption, SpeculativeOption
 from edgefinfer.sampling import SamplingParams
 from tests.helpers import tiny_model, tiny_tokenizer
 
@@ -105,7 +105,7 @@ def test_bad_options_and_paths(folders, tmp_path):
     root, _, _ = folders
     for bad in ["window:0", "window:8,sink:2", "paged:x", "ring"]:
         with pytest.raises(UserError, match="bad --kv"):
-            KVSpec.parse(bad)
+            KVOption.parse(bad)
     for bad in ["draft:", "lookup:x", "medusa"]:
         with pytest.raises(UserError, match="bad --speculative"):
             SpeculativeOption.parse(bad)

@@ -334,9 +334,9 @@ def sink_token(tokenizer) -> int:
 
 def artefact_cache(target: Target, kv: str | None) -> KVCache:
     """The KV cache `--kv` asks the artefact to be exported with (parsed once, here)."""
-    from edgefinfer.runtime.engine import KVSpec
+    from edgefinfer.runtime.engine import KVOption
 
-    spec = KVSpec.parse(kv)
+    spec = KVOption.parse(kv)
     if spec.kind == "static":
         return KVCache("static")
     if spec.kind != "window":
