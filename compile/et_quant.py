@@ -78,7 +78,8 @@ def check_xnnpack_layout(model: nn.Module) -> None:
                             "quantize with an 8da4w recipe (e.g. 8da4w-g32) for phones")
         if isinstance(m, QuantLinear):
             fmt = m.fmt
-            ok = fmt.symmetric and m.act_quant and (
+            # A float zero point runs as its symmetric part plus a float offset linear (layouts.OffsetLinear).
+            ok = (fmt.symmetric or (fmt.float_zero and fmt.bits == 4)) and m.act_quant and (
                 (fmt.bits == 4 and m.group_size % 16 == 0) or (fmt.bits == 8 and m.group_size == m.in_features))
             if not ok:
                 raise UserError(f"{name} is {fmt.label()}{' with' if m.act_quant else ' without'} int8 activations; "

@@ -247,7 +247,7 @@ def _named_tensors(model: Transformer):
 
 
 # Recipes whose every layer has an exact GGUF type (named in refusals).
-GGUF_RECIPES = ("int4-g32-sym (Q4_0)", "int4[-gptq|-awq]-g32 (asym, Q4_1)", "int8-g32-emb8 (Q8_0)",
+GGUF_RECIPES = ("int4-g32-sym (Q4_0)", "int4[-gptq|-awq]-g32[-fzp] (asym, Q4_1)", "int8-g32-emb8 (Q8_0)",
                 "with -emb8 or -emb4 embeddings")
 
 

@@ -339,8 +339,16 @@ class FusedForm:
                   None if spec.bias is None else b.const(f"{weight_name}.bias", spec.bias)]
         while inputs[-1] is None:
             inputs.pop()
-        return b.op("MatMulNBits", inputs, f"{name}/MatMulNBits", domain=MS_DOMAIN, K=mm.K, N=mm.N, bits=mm.bits,
-                    block_size=mm.block_size, accuracy_level=self.accuracy_level)
+        y = b.op("MatMulNBits", inputs, f"{name}/MatMulNBits", domain=MS_DOMAIN, K=mm.K, N=mm.N, bits=mm.bits,
+                 block_size=mm.block_size, accuracy_level=self.accuracy_level)
+        if spec.offsets is None:
+            return y
+        # A float zero point: + group_sums(x) [B, S, G] @ m^T [G, N] (see onnx_weights.NBitsLinear).
+        G = spec.offsets.shape[1]
+        groups = b.op("Reshape", [x, b.scalar_i64(0, 0, G, mm.K // G)], f"{name}/GroupReshape")
+        sums = b.op("ReduceSum", [groups, b.scalar_i64(-1)], f"{name}/GroupSum", keepdims=0)
+        m_t = b.const(f"{weight_name}.group_offsets", np.ascontiguousarray(spec.offsets.T))
+        return b.op("Add", [y, b.op("MatMul", [sums, m_t], f"{name}/OffsetMatMul")], f"{name}/AddOffsets")
 
     def spec(self, module: nn.Module, name: str) -> LinearSpec:
         return linear_spec(module, self.dtype, name)

@@ -23,7 +23,6 @@ from torch import nn
 from edgefinfer.compile.quant.layouts import MatMulNBitsWeights, to_matmulnbits
 from edgefinfer.compile.quant.modules import Fp8Linear, QuantEmbedding, QuantLinear
 from edgefinfer.compile.quant.primitives import IntWeights
-from edgefinfer.compile.quant.recipe import WeightFormat
 from edgefinfer.errors import UserError
 
 
@@ -37,6 +36,9 @@ class FloatLinear:
 class NBitsLinear:
     mm: MatMulNBitsWeights
     bias: np.ndarray | None  # [N]
+    # A float zero point's group offsets m [N, G] (`QuantLinear.offset_split`): the graph adds
+    # group_sums(x) [.., G] @ m^T to MatMulNBits' symmetric product. None: no offsets.
+    offsets: np.ndarray | None = None
 
 
 LinearSpec = FloatLinear | NBitsLinear
@@ -80,7 +82,7 @@ def nbits_weights(module: QuantLinear | QuantEmbedding, scale_dtype: np.dtype) -
                             "re-quantize with a -g32/-g64/-g128 recipe")
         block = _matmulnbits_block(k)
         reps = k // block
-        fmt = WeightFormat("int", module.fmt.bits, block, module.fmt.symmetric)
+        fmt = replace(module.fmt, group_size=block)
         blocked = QuantLinear(k, n, fmt)  # a throwaway holder: same codes, the row's scale per block
         blocked.set_weights(IntWeights(module.qweight, module.scales.repeat_interleave(reps, 1),
                                        module.zeros.repeat_interleave(reps, 1)))
@@ -92,7 +94,8 @@ def linear_spec(module: nn.Module, float_dtype: np.dtype, name: str) -> LinearSp
     bias = getattr(module, "bias", None)
     bias_np = None if bias is None else _np(bias, float_dtype)
     if isinstance(module, QuantLinear):
-        return NBitsLinear(nbits_weights(module, float_dtype), bias_np)
+        offsets = _np(module.offset_split()[1], float_dtype) if module.fmt.float_zero else None
+        return NBitsLinear(nbits_weights(module, float_dtype), bias_np, offsets)
     if isinstance(module, Fp8Linear):
         raise UserError(f"{name} is fp8, which ONNX Runtime's CPU kernels do not run; "
                         "quantize with an int4/int8 recipe for the ONNX target (fp8 is for the GPU server)")
@@ -137,12 +140,17 @@ def concat_linears(specs: list[LinearSpec]) -> LinearSpec | None:
     mms = [s.mm for s in specs]
     if any((m.bits, m.block_size, m.K) != (first.mm.bits, first.mm.block_size, first.mm.K) for m in mms):
         return None
+    offsets = None
+    if any(s.offsets is not None for s in specs):  # group offsets stack along N when all have them alike
+        if any(s.offsets is None or s.offsets.shape[1] != first.offsets.shape[1] for s in specs):
+            return None
+        offsets = np.concatenate([s.offsets for s in specs])
     zps = None
     if any(m.zero_points is not None for m in mms):
         zps = np.concatenate([m.zero_points if m.zero_points is not None else _default_zero_points(m) for m in mms])
     mm = replace(first.mm, B=np.concatenate([m.B for m in mms]), scales=np.concatenate([m.scales for m in mms]),
                  zero_points=zps, N=sum(m.N for m in mms))
-    return NBitsLinear(mm, biases)
+    return NBitsLinear(mm, biases, offsets)
 
 
 def unpacked_zero_points(mm: MatMulNBitsWeights) -> np.ndarray | None:

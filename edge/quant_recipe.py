@@ -6,7 +6,7 @@ description (`edgefinfer.artefact`) and the runtimes hold it without importing a
 
 A recipe name is a short dash-separated string parsed by `parse_recipe`:
 
-    SCHEME [-METHOD] [-gN | -pc] [-sym | -asym] [-embF] [-rot]
+    SCHEME [-METHOD] [-gN | -pc] [-sym | -asym | -fzp] [-embF] [-rot]
 
     SCHEME  int8 | int4 | 8da4w | 8da8w | fp8  (8daNw = int8 dynamic per-token activations, intN weights;
                                                8da8w is per-channel, with int8 per-row embeddings)
@@ -14,6 +14,11 @@ A recipe name is a short dash-separated string parsed by `parse_recipe`:
             | awq (scales, then clipping search) | awq-noclip (scales only) | awq-gptq (AWQ's scales, then GPTQ)
     -gN     group size N along the input dimension; -pc = per output channel (one group per row)
     -sym / -asym   symmetric (zero point 0) or asymmetric (integer zero point) weights
+    -fzp    asymmetric with a float zero point: each group is x = d * q + m with an fp16 minimum m, as
+            llama.cpp's Q4_1 and torchao's ZeroPointDomain.FLOAT store it; for kernels that have
+            only symmetric low-bit weights (XNNPACK, MatMulNBits' fast path) it is exported as the
+            symmetric codes plus a small float linear over the input's group sums (int4 and int8;
+            8da4w-*-fzp too)
     -embF   embeddings and output head: emb8 (int8 g32 sym), emb4 (int4 g32 sym), embf (kept float);
             defaults: int8 per-row for int8 and 8da4w, emb8 for int4, float for fp8
     -rot    fuse a randomized Hadamard rotation into the float weights first (QuaRot / SpinQuant R1+R2,
@@ -51,6 +56,9 @@ class WeightFormat:
 
     kind "int": integer codes with one fp16 scale (and, if asymmetric, one integer zero point) per group
     of `group_size` consecutive input channels of a row; `group_size=None` means one group per row.
+    float_zero: asymmetric with a float zero point instead (the group's fp16 minimum, see
+    `compile.quant.primitives`): the grid starts at the group's minimum rather than at a multiple of
+    the scale, which costs 12 more bits per group than an int4 zero point.
     kind "fp8": float8 e4m3 values with one fp32 scale per row (bits/group/symmetric are fixed).
     scale_dtype: the values scales are rounded to (always stored as float16): "float16", or
     "bfloat16" for XNNPACK, whose 4-bit kernels keep scales in bf16 (8da4w recipes use it, so the
@@ -62,6 +70,7 @@ class WeightFormat:
     group_size: int | None = 32
     symmetric: bool = True
     scale_dtype: Literal["float16", "bfloat16"] = "float16"
+    float_zero: bool = False
 
     def __post_init__(self) -> None:
         if self.kind == "fp8":
@@ -69,7 +78,10 @@ class WeightFormat:
             object.__setattr__(self, "group_size", None)
             object.__setattr__(self, "symmetric", True)
             object.__setattr__(self, "scale_dtype", "float16")
+            object.__setattr__(self, "float_zero", False)
             return
+        if self.float_zero and self.symmetric:
+            raise UserError("a float zero point is an asymmetric format: use symmetric=False with float_zero=True")
         if self.scale_dtype not in ("float16", "bfloat16"):
             raise UserError(f"scale_dtype must be 'float16' or 'bfloat16', got {self.scale_dtype!r}")
         if self.kind != "int":
@@ -93,21 +105,27 @@ class WeightFormat:
         if self.kind == "fp8":
             return 8 + 32 / in_features
         g = in_features if self.group_size is None else self.group_size
-        return self.bits + (16 + (0 if self.symmetric else self.bits)) / g
+        zero_bits = 16 if self.float_zero else 0 if self.symmetric else self.bits
+        return self.bits + (16 + zero_bits) / g
 
     def label(self) -> str:
         if self.kind == "fp8":
             return "fp8"
         g = "pc" if self.group_size is None else f"g{self.group_size}"
         bf16 = "-bf16" if self.scale_dtype == "bfloat16" else ""
-        return f"int{self.bits}-{g}-{'sym' if self.symmetric else 'asym'}{bf16}"
+        zero = "fzp" if self.float_zero else "sym" if self.symmetric else "asym"
+        return f"int{self.bits}-{g}-{zero}{bf16}"
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if not self.float_zero:  # written only when set, so files of the other formats stay as they were
+            del d["float_zero"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "WeightFormat":
-        return cls(**{k: d[k] for k in ("kind", "bits", "group_size", "symmetric", "scale_dtype") if k in d})
+        return cls(**{k: d[k] for k in ("kind", "bits", "group_size", "symmetric", "scale_dtype", "float_zero")
+                      if k in d})
 
 
 @dataclass(frozen=True)
@@ -231,7 +249,7 @@ _NAME = re.compile(
     r"^(?P<scheme>int8|int4|8da4w|8da8w|fp8)"
     r"(?:-(?P<method>rtn|gptq-noact|gptq|awq-gptq|awq-noclip|awq))?"
     r"(?:-(?P<group>g\d+|pc))?"
-    r"(?:-(?P<sym>sym|asym))?"
+    r"(?:-(?P<sym>sym|asym|fzp))?"
     r"(?:-(?P<emb>emb8|emb4|embf))?"
     r"(?:-(?P<rot>rot))?$"
 )
@@ -239,10 +257,10 @@ _NAME = re.compile(
 # The canonical names, listed in errors and in `edgefinfer quantize --help`.
 RECIPE_NAMES: tuple[str, ...] = (
     "int8", "int8-g32",
-    "int4-g32", "int4-g64", "int4-g128", "int4-g64-sym",
+    "int4-g32", "int4-g64", "int4-g128", "int4-g64-sym", "int4-g32-fzp", "int4-gptq-g32-fzp",
     "int4-gptq-g32", "int4-gptq-g64", "int4-gptq-g128", "int4-gptq-g64-sym", "int4-gptq-noact-g64-sym",
     "int4-awq-g32", "int4-awq-g64", "int4-awq-g128", "int4-awq-g64-sym", "int4-awq-noclip-g32", "int4-awq-gptq-g32",
-    "8da4w-g32", "8da4w-g64", "8da4w-g128", "8da8w",
+    "8da4w-g32", "8da4w-g64", "8da4w-g128", "8da4w-g32-fzp", "8da4w-gptq-g32-fzp", "8da8w",
     "fp8",
 )
 
@@ -252,7 +270,7 @@ def parse_recipe(name: str) -> QuantRecipe:
     m = _NAME.match(name.strip().lower())
     if m is None:
         raise UserError(f"unknown recipe {name!r}: use one of {', '.join(RECIPE_NAMES)} "
-                        "(grammar: SCHEME[-rtn|gptq|gptq-noact|awq|awq-noclip|awq-gptq][-gN|-pc][-sym|-asym][-emb8|-emb4|-embf][-rot])")
+                        "(grammar: SCHEME[-rtn|gptq|gptq-noact|awq|awq-noclip|awq-gptq][-gN|-pc][-sym|-asym|-fzp][-emb8|-emb4|-embf][-rot])")
     scheme, method, group, sym, emb, rot = (m[k] for k in ("scheme", "method", "group", "sym", "emb", "rot"))
     method = method or "rtn"
     act_order = method != "gptq-noact"
@@ -266,21 +284,23 @@ def parse_recipe(name: str) -> QuantRecipe:
         weights = WeightFormat("fp8")
         default_emb: WeightFormat | None = None  # the GPU server keeps embeddings in bf16
     elif scheme == "int8":
-        weights = WeightFormat("int", 8, group_size, sym != "asym")
+        weights = WeightFormat("int", 8, group_size, sym not in ("asym", "fzp"), float_zero=sym == "fzp")
         default_emb = WeightFormat("int", 8, None, True)
     elif scheme == "8da8w":  # XNNPACK's qc8w linear; the embedding and a tied head int8 per row as well
-        if group not in (None, "pc") or sym == "asym":
+        if group not in (None, "pc") or sym in ("asym", "fzp"):
             raise UserError(f"recipe {name!r}: 8da8w is symmetric per-channel int8 (XNNPACK's qc8w); drop -gN/-asym")
         weights = WeightFormat("int", 8, None, True)
         default_emb = WeightFormat("int", 8, None, True)
     else:  # int4 and 8da4w
         if scheme == "8da4w" and sym == "asym":
-            raise UserError(f"recipe {name!r}: 8da4w uses symmetric weights (XNNPACK's layout); drop -asym")
-        symmetric = sym == "sym" if scheme == "int4" else True
+            raise UserError(f"recipe {name!r}: 8da4w uses symmetric weights (XNNPACK's layout) or a float zero "
+                            "point (-fzp, run as symmetric weights plus group offsets); an integer zero point "
+                            "has no XNNPACK kernel: use -sym or -fzp")
+        symmetric = sym == "sym" if scheme == "int4" else sym != "fzp"
         if group is None:
             group_size = 32 if scheme == "8da4w" else 64
         scales = "bfloat16" if scheme == "8da4w" else "float16"
-        weights = WeightFormat("int", 4, group_size, symmetric, scales)
+        weights = WeightFormat("int", 4, group_size, symmetric, scales, float_zero=sym == "fzp")
         # 8da4w: int8 per-row, which XNNPACK runs both as the embedding and as a tied head (qc8w).
         default_emb = WeightFormat("int", 8, None, True) if scheme == "8da4w" else _EMBEDDINGS["emb8"]
     if weights.group_size is not None and weights.group_size & (weights.group_size - 1):

@@ -207,6 +207,28 @@ def test_quantized_matches_eager_quantized_model(which, request, model, tied_mod
     assert meta["size_bytes"] < limit * fp32_static[1]["size_bytes"], (meta["size_bytes"], fp32_static[1]["size_bytes"])
 
 
+def test_float_zero_point_8da4w_runs_on_xnnpack_and_matches_eager(model, store, tmp_path, prompt):
+    """8da4w-g32-fzp: the symmetric part on XNNPACK's qb4w kernel, the group offsets as a float linear
+    (layouts.OffsetLinear); the .pte matches the eager module's split forward."""
+    import copy
+
+    from edgefinfer.compile.quant import quantize_model
+    from edgefinfer.compile.quant.recipe import parse_recipe
+
+    quantized = copy.deepcopy(model).float().eval()
+    quantize_model(quantized, parse_recipe("8da4w-g32-fzp"))
+    path = tmp_path / "fzp.pte"
+    meta = _export(quantized, path, store, recipe="8da4w", max_seq_len=MAX_SEQ)
+    delegates = pte_delegates(path)
+    print(delegates)
+    tokens = prompt[:16]
+    got = teacher_forced(ExecuTorchBackend(path, threads=1), tokens, 8)
+    want = teacher_forced(TorchBackend(quantized, max_seq_len=MAX_SEQ), tokens, 8)
+    per_position = np.abs(got - want).max(-1)
+    assert np.median(per_position) < 1e-4 and per_position.max() < 0.25, per_position
+    assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.95
+
+
 def test_4bit_embeddings_use_the_quantized_embedding_kernel(q8da4w):
     ops = pte_delegates(q8da4w[0])["forward"]["operators"]
     assert any(op.startswith("quantized_decomposed::embedding_4bit") for op in ops), ops

@@ -58,6 +58,7 @@ def test_llamacpp_runs_our_export(tmp_path, tok, dtype, tol, arch):
 @pytest.mark.llamacpp
 @pytest.mark.parametrize("recipe, linears, embedding", [("int4-g32-sym", "Q4_0", "Q8_0"),
                                                         ("int4-g32", "Q4_1", "Q8_0"),
+                                                        ("int4-g32-fzp", "Q4_1", "Q8_0"),
                                                         ("int4-g32-sym-emb4", "Q4_0", "Q4_0"),
                                                         ("int8-g32-emb8", "Q8_0", "Q8_0")])
 def test_quantized_model_repacks_bit_for_bit(tmp_path, tok, recipe, linears, embedding):
@@ -77,7 +78,11 @@ def test_quantized_model_repacks_bit_for_bit(tmp_path, tok, recipe, linears, emb
     quantized = [n for n, m in ref.items() if hasattr(m, "dequantized")]
     assert len(quantized) == 2 * 7 + 2  # every linear, the embedding and the head
     for name in quantized:
-        assert torch.equal(imported.get_submodule(name).weight, ref[name].dequantized()), name
+        got_w, want_w = imported.get_submodule(name).weight, ref[name].dequantized()
+        if ref[name].fmt.float_zero:  # d * nibble + m16 against (q - z) * d: float32 rounding apart
+            assert (got_w - want_w).abs().max() <= 1e-6 * want_w.abs().max(), name
+        else:
+            assert torch.equal(got_w, want_w), name
     ids = tok.encode(PROMPT)
     got = LlamaCppBackend(tmp_path / "q.gguf", n_ctx=128, threads=1).forward(ids, 0)
     want = eager_logits(model, ids)
@@ -86,7 +91,13 @@ def test_quantized_model_repacks_bit_for_bit(tmp_path, tok, recipe, linears, emb
     # logits agree to float noise: the file computes exactly our quantized model.
     assert np.abs(got - want).mean() < 0.1 * np.abs(want - float_logits).mean() or linears == "Q8_0"
     hooks = [m.register_forward_hook(llamacpp_matmul) for m in model.modules() if isinstance(m, QuantLinear)]
-    assert np.abs(got - eager_logits(model, ids)).max() < 1e-4
+    diff = np.abs(got - eager_logits(model, ids))
+    if "fzp" in recipe:
+        # Weights equal to float32 rounding, not bit for bit: an activation lying on a Q8_1 rounding tie
+        # can round the other way at one position (measured once: 0.02, everywhere else ~1e-7).
+        assert np.median(diff.max(-1)) < 1e-5 and diff.max() < 0.1, diff.max(-1)
+    else:
+        assert diff.max() < 1e-4
     for h in hooks:
         h.remove()
 
@@ -102,7 +113,7 @@ def llamacpp_matmul(module, args, out):
     d16 = d.half().float()
     y = torch.nn.functional.linear((q * d16).reshape(x.shape), module.dequantized())
     if not module.fmt.symmetric:
-        m = -module.scales.float() * (module.zeros.float() + 8)  # [N, blocks]
+        m = (-module.scales.float() * (module.zeros.float() + 8)).half().float()  # [N, blocks]: the file's fp16 m
         s = (q.sum(-1, keepdim=True) * d).half().float()
         y = y + torch.einsum("...g,ng->...n", (s - d16 * q.sum(-1, keepdim=True))[..., 0], m)
     return y if module.bias is None else y + module.bias

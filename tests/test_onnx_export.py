@@ -100,6 +100,8 @@ QUANT_CASES = [
     ("llama-tied", "int4-g32-asym-emb4-asym-table"),  # a shared table with zero points
     ("llama", "int8-g32-emb8"),
     ("llama-tied", "int8"),  # per-channel int8, re-blocked for MatMulNBits
+    ("qwen2-bias", "int4-g32-fzp"),  # float zero points: symmetric MatMulNBits + group offsets, with bias
+    ("llama-tied", "int4-g32-fzp-emb4"),
 ]
 
 

@@ -47,6 +47,16 @@ def test_q4_1_bytes_decode_to_our_asymmetric_weights():
     assert np.array_equal(deq, m.dequantized().numpy())
 
 
+def test_q4_1_holds_a_float_zero_point_as_its_block_minimum():
+    """-fzp's zero point is the group's fp16 minimum: Q4_1 stores it as m and decodes our weights to
+    float32 rounding (d * nibble + m against (q - z) * d)."""
+    gguf = pytest.importorskip("gguf")
+    m = qlinear(WeightFormat("int", 4, 32, False, float_zero=True), n=512)
+    deq = gguf.quants.dequantize(to_gguf_q4_1(m), gguf.GGMLQuantizationType.Q4_1)
+    want = m.dequantized().numpy()
+    assert np.abs(deq - want).max() <= 1e-6 * np.abs(want).max()
+
+
 def test_q8_0_bytes_decode_to_our_weights():
     gguf = pytest.importorskip("gguf")
     m = qlinear(WeightFormat("int", 8, 32, True))
@@ -139,6 +149,24 @@ def test_onnxruntime_matmulnbits_computes_our_weights(fmt):
     np.testing.assert_allclose(_run_matmulnbits(packed, x.numpy()), m(x).detach().numpy(), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("fmt", [WeightFormat("int", 4, 32, False, float_zero=True),
+                                 WeightFormat("int", 4, 128, False, float_zero=True),
+                                 WeightFormat("int", 8, 64, False, float_zero=True)], ids=lambda f: f.label())
+def test_float_zero_point_splits_into_symmetric_matmulnbits_plus_group_offsets(fmt):
+    """-fzp on ONNX Runtime: MatMulNBits' fast symmetric kernel on q * d, plus group_sums(x) @ m^T;
+    together they compute the module (ORT's own float zero points take a slow unpacked path)."""
+    m = qlinear(fmt)
+    packed = to_matmulnbits(m)
+    assert packed.zero_points is None
+    sym, offsets = m.offset_split()
+    assert np.array_equal(matmulnbits_reference(packed), sym.numpy())
+    assert torch.allclose(sym + offsets.repeat_interleave(m.group_size, 1), m.dequantized(), rtol=0, atol=1e-6)
+    x = torch.randn(5, packed.K)
+    sums = x.reshape(5, -1, m.group_size).sum(-1)
+    got = _run_matmulnbits(packed, x.numpy()) + sums.numpy() @ offsets.numpy().T
+    np.testing.assert_allclose(got, m(x).detach().numpy(), rtol=1e-5, atol=1e-4)
+
+
 def test_matmulnbits_refuses_unsupported_blocks():
     with pytest.raises(UserError, match="power-of-two block size"):
         to_matmulnbits(qlinear(WeightFormat("int", 8, None, True), k=96))
@@ -158,6 +186,25 @@ def test_torchao_tensor_computes_the_same_linear(fmt, act):
     assert torch.equal(t.dequantize(), m.dequantized())
     x = torch.randn(2, 3, 256)
     assert torch.equal(F.linear(x, t), m(x))
+
+
+def test_torchao_offset_linear_computes_a_float_zero_point_linear():
+    """8da4w-*-fzp for XNNPACK: the symmetric part as torchao's tensor (zero point 0, int8 dynamic
+    activations) plus the float group-offset linear equals the eager module's own split forward."""
+    pytest.importorskip("torchao")
+    from edgefinfer.compile.quant.layouts import OffsetLinear
+
+    m = qlinear(WeightFormat("int", 4, 32, False, "bfloat16", float_zero=True), act_quant=True)
+    model = nn.Sequential(m)
+    x = torch.randn(2, 3, 256)
+    want = m(x)
+    torchao_model(model)
+    assert isinstance(model[0], OffsetLinear)
+    assert torch.equal(model[0].linear.weight.zero_point, torch.zeros_like(m.zeros, dtype=torch.int8))
+    torch.testing.assert_close(model(x), want, rtol=1e-5, atol=1e-5)
+    # Against the plain (q - z) * d linear on quantized activations: only the offsets' activations differ.
+    plain = F.linear(x, m.dequantized())
+    assert (model(x) - plain).abs().max() < 0.05 * plain.abs().max()
 
 
 def test_torchao_model_swap_keeps_logits():

@@ -29,7 +29,8 @@ def correlated_inputs(t: int, k: int, tokens_seed: int = 0) -> torch.Tensor:
 
 @pytest.mark.parametrize("act_order", [False, True])
 @pytest.mark.parametrize("fmt", [WeightFormat("int", 4, 32, True), WeightFormat("int", 4, 64, False),
-                                 WeightFormat("int", 3, None, True)], ids=lambda f: f.label())
+                                 WeightFormat("int", 3, None, True),
+                                 WeightFormat("int", 4, 32, False, float_zero=True)], ids=lambda f: f.label())
 def test_gptq_cuts_the_layer_output_error(fmt, act_order):
     k, n = 128, 64
     x_fit, x_new = correlated_inputs(1024, k, 0), correlated_inputs(1024, k, 1)  # fit and held-out tokens
@@ -44,14 +45,17 @@ def test_gptq_cuts_the_layer_output_error(fmt, act_order):
     assert q.codes.min() >= -(1 << (fmt.bits - 1)) and q.codes.max() < (1 << (fmt.bits - 1))
     if fmt.symmetric:
         assert (q.zeros == 0).all()
+    assert q.zeros.dtype == (torch.float32 if fmt.float_zero else torch.int8)
 
 
-def test_gptq_with_identity_hessian_is_round_to_nearest():
+@pytest.mark.parametrize("fmt", [WeightFormat("int", 4, 32, True), WeightFormat("int", 4, 32, False, float_zero=True)],
+                         ids=lambda f: f.label())
+def test_gptq_with_identity_hessian_is_round_to_nearest(fmt):
     # With H = I no column informs another: GPTQ must reduce to plain rounding (static groups).
     w = torch.randn(16, 64)
-    fmt = WeightFormat("int", 4, 32, True)
     q = gptq_quantize(w, torch.eye(64), fmt, GPTQSettings(damp=0.0, act_order=True))
-    assert torch.equal(q.codes, quantize_int(w, fmt).codes)
+    rtn = quantize_int(w, fmt)
+    assert torch.equal(q.codes, rtn.codes) and torch.equal(q.zeros, rtn.zeros)
 
 
 def test_gptq_ignores_dead_inputs():

@@ -146,3 +146,60 @@ def test_codes_match_torchao_quantize_affine_with_our_qparams():
         assert torch.equal(ref, q.codes), fmt.label()
         back = qp.dequantize_affine(q.codes, (1, g), q.scales.float(), q.zeros, torch.int8, qmin, qmax)
         assert torch.equal(back, dequantize_int(*q)), fmt.label()
+
+
+FLOAT_ZERO_FORMATS = [WeightFormat("int", b, g, False, float_zero=True) for b in (8, 4, 3) for g in (32, 128, None)]
+
+
+@pytest.mark.parametrize("fmt", FLOAT_ZERO_FORMATS, ids=lambda f: f.label())
+def test_float_zero_point_is_within_half_a_step(fmt):
+    """-fzp: the grid starts at the group's fp16 minimum; every weight within half a step, codes in
+    range, zero points float32 code units (not integral in general)."""
+    w = nasty_matrix()
+    q = quantize_int(w, fmt)
+    g = fmt.group_for(w.shape[1])
+    assert q.codes.dtype == torch.int8 and q.zeros.dtype == torch.float32
+    qmin, qmax = qrange(fmt.bits, False)
+    assert q.codes.min() >= qmin and q.codes.max() <= qmax
+    assert (q.zeros != q.zeros.round()).any()
+    assert ((w - dequantize_int(*q)).abs() <= int_error_bound(q.scales, g)).all()
+    # The grid covers exactly the group's range: its bottom is the minimum rounded down to fp16, its
+    # step the range over the levels (to fp16 rounding), not the wider range an integer zero point needs.
+    groups = w.reshape(w.shape[0], -1, g)
+    low = -q.scales.float() * (q.zeros - qmin)
+    assert (low <= groups.amin(-1) + 1e-7).all()
+    ideal = (groups.amax(-1) - low) / (qmax - qmin)
+    assert (q.scales.float() <= torch.maximum(ideal * (1 + 2**-10), torch.tensor(SCALE_MIN))).all()
+
+
+def q4_1_grid(n: int = 64, k: int = 256, seed: int = 1) -> torch.Tensor:
+    """Weights as a Q4_1 GGUF holds them: x = d * q + m per block of 32, fp16 d and m, q in 0..15
+    with both ends used (llama.cpp sets m to the block minimum and d to the range over 15)."""
+    g = torch.Generator().manual_seed(seed)
+    d = (torch.rand(n, k // 32, 1, generator=g) * 0.01 + 1e-3).half().float()
+    m = (-d * (torch.rand(n, k // 32, 1, generator=g) * 15)).half().float()
+    q = torch.randint(0, 16, (n, k // 32, 32), generator=g).float()
+    q[..., 0], q[..., 1] = 0, 15
+    return (d * q + m).reshape(n, k)
+
+
+def test_float_zero_point_keeps_weights_that_sit_on_a_q4_1_grid():
+    """A checkpoint distributed as Q4_1 (the reference model) keeps its weights under int4-g32-fzp
+    (to float32 rounding), where an integer zero point must move them by up to half a step."""
+    w = q4_1_grid()
+    fzp = dequantize_int(*quantize_int(w, WeightFormat("int", 4, 32, False, float_zero=True)))
+    assert (fzp - w).abs().max() <= 1e-6 * w.abs().max()
+    step = quantize_int(w, WeightFormat("int", 4, 32, False)).scales.float().repeat_interleave(32, 1)
+    integer = dequantize_int(*quantize_int(w, WeightFormat("int", 4, 32, False)))
+    assert ((integer - w).abs() / step).mean() > 0.1  # what the integer grid costs on the same weights
+
+
+def test_round_down_fp16():
+    from edgefinfer.compile.quant.primitives import round_down_fp16
+    x = torch.tensor([1.0, 1.0 + 2**-12, -(1.0 + 2**-12), 0.0, 1e-9, -1e-9, -70000.0, 3.3e-5])
+    r = round_down_fp16(x)
+    assert torch.equal(r.half().float(), r)
+    assert (r[[0, 1, 2, 3, 4, 5, 7]] <= x[[0, 1, 2, 3, 4, 5, 7]]).all()  # -70000 clamps to fp16's finite range
+    assert r[0] == 1.0 and r[1] == 1.0 and r[2] == -(1.0 + 2**-10) and r[3] == 0.0
+    assert r[5] < 0 and r[6] == -65504.0
+    assert ((x - r)[:3].abs() <= 2**-10 * x[:3].abs()).all()

@@ -73,6 +73,24 @@ def test_group_size_must_divide_the_input_dimension():
 def test_bits_per_weight_counts_scales_and_zero_points():
     assert WeightFormat("int", 4, 32, True).bits_per_weight(4096) == 4.5
     assert WeightFormat("int", 4, 32, False).bits_per_weight(4096) == 4.625
+    assert WeightFormat("int", 4, 32, False, float_zero=True).bits_per_weight(4096) == 5.0  # fp16 d and m
+
+
+def test_float_zero_point_recipes():
+    r = parse_recipe("int4-gptq-g32-fzp")
+    assert (r.method, r.weights) == ("gptq", WeightFormat("int", 4, 32, False, float_zero=True))
+    assert r.weights.label() == "int4-g32-fzp" and r.embedding == WeightFormat("int", 8, 32, True)
+    assert parse_recipe("int8-g32-fzp").weights.float_zero
+    assert QuantRecipe.from_dict(r.to_dict()) == r
+    r = parse_recipe("8da4w-g32-fzp")  # XNNPACK: the symmetric part on qb4w, offsets as a float linear
+    assert r.activations == "int8-per-token"
+    assert r.weights == WeightFormat("int", 4, 32, False, "bfloat16", float_zero=True)
+    with pytest.raises(UserError, match="symmetric"):
+        parse_recipe("8da8w-fzp")
+    with pytest.raises(UserError, match="-fzp"):
+        parse_recipe("8da4w-g32-asym")
+    with pytest.raises(UserError, match="asymmetric"):
+        WeightFormat("int", 4, 32, True, float_zero=True)
     assert WeightFormat("fp8").bits_per_weight(512) == 8 + 32 / 512
 
 

@@ -34,7 +34,8 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from edgefinfer.compile.quant.primitives import IntWeights, choose_qparams, dequantize_int, qrange
+from edgefinfer.compile.quant.primitives import (IntWeights, choose_qparams, dequantize_int, quantize_with,
+                                                 zero_dtype)
 from edgefinfer.compile.quant.recipe import GPTQSettings, WeightFormat
 
 
@@ -72,7 +73,8 @@ def gptq_quantize(weight: Tensor, hessian: Tensor, fmt: WeightFormat, settings: 
     zeros = torch.zeros(G, N)
     if settings.act_order:
         perm = torch.argsort(H.diagonal(), descending=True)
-        s, z = choose_qparams(W.reshape(N, G, g), fmt.bits, fmt.symmetric, fmt.scale_dtype)  # static groups
+        s, z = choose_qparams(W.reshape(N, G, g), fmt.bits, fmt.symmetric, fmt.scale_dtype,
+                              fmt.float_zero)  # static groups
         scales[:], zeros[:] = s.T, z.T
         W, H = W[:, perm], H[perm][:, perm]
         group_of = (perm // g).tolist()  # group of the j-th column in sweep order
@@ -81,7 +83,6 @@ def gptq_quantize(weight: Tensor, hessian: Tensor, fmt: WeightFormat, settings: 
         group_of = (torch.arange(K) // g).tolist()
     U = _inverse_hessian_factor(H, settings.damp)
 
-    qmin, qmax = qrange(fmt.bits, fmt.symmetric)
     Wt = W.T.contiguous()  # [K, N]
     codes = torch.zeros(K, N)  # in sweep order
     # Without act-order a block must hold whole groups, so a group's parameters see updated weights.
@@ -95,9 +96,9 @@ def gptq_quantize(weight: Tensor, hessian: Tensor, fmt: WeightFormat, settings: 
             j, gi = i1 + i, group_of[i1 + i]
             if perm is None and j % g == 0:
                 scales[gi], zeros[gi] = choose_qparams(W1[i: i + g].T, fmt.bits, fmt.symmetric,
-                                                               fmt.scale_dtype)
+                                                       fmt.scale_dtype, fmt.float_zero)
             s, z, w = scales[gi], zeros[gi], W1[i]
-            q = torch.round(w / s).add_(z).clamp_(qmin, qmax)
+            q = quantize_with(w, s, z, fmt.bits, fmt.symmetric, fmt.float_zero)
             codes[j] = q
             err = torch.sub(w, (q - z).mul_(s)).div_(U1[i, i])
             W1[i:].addr_(U1[i, i:], err, alpha=-1.0)  # w_k -= e_j * U_jk for the block's later columns
@@ -107,7 +108,7 @@ def gptq_quantize(weight: Tensor, hessian: Tensor, fmt: WeightFormat, settings: 
     codes, scales, zeros = codes.T, scales.T, zeros.T
     if perm is not None:
         codes = codes[:, torch.argsort(perm)]
-    return IntWeights(codes.to(torch.int8), scales.to(torch.float16), zeros.to(torch.int8))
+    return IntWeights(codes.to(torch.int8), scales.to(torch.float16), zeros.to(zero_dtype(fmt)))
 
 
 def output_error(weight: Tensor, q: IntWeights, hessian: Tensor) -> float:

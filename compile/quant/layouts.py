@@ -12,16 +12,23 @@ against gguf-py's dequantizer, onnxruntime's MatMulNBits kernel and torchao's te
     zero_points  uint8 [N, ceil(k_blocks * bits / 8)], unsigned, packed the same way; omitted when
                  every zero point is 2^(bits-1), ORT's default (our symmetric formats);
     y = A @ ((code - zero_point) * scale)^T, block_size a power of two >= 16.
+  A float zero point (`-fzp`) is written as its symmetric part (zero_points omitted) plus per-group
+  offsets that the exporter adds as a small float MatMul over the activations' group sums
+  (`QuantLinear.offset_split`): ORT 1.31 does take float zero_points, but only on an unpacked
+  fallback that dequantizes B on every call (measured: 3.1 ms against 47 us for one 576 x 1536 decode
+  matmul, 1 thread), while the split keeps MatMulNBits' packed int8-compute kernel.
 * GGUF `Q4_0` / `Q4_1` / `Q8_0` (`to_gguf_q4_0`, `to_gguf_q4_1`, `to_gguf_q8_0`): blocks of 32 along K,
   each an fp16 `d` followed by the codes: Q4_0 stores 16 bytes, byte j = (q[j] + 8) | (q[j + 16] + 8) << 4
   and decodes (nibble - 8) * d; Q4_1 stores d, an fp16 `m`, then the same 16 bytes, and decodes
   nibble * d + m, so asymmetric codes map with m = -d * (zero + 8) (exact: `primitives` chooses such
-  scales); Q8_0 stores 32 int8 and decodes q * d. Only group-32 formats map (int4 either way, int8
+  scales; a float zero point's m is its fp16 group minimum, recovered from z); Q8_0 stores 32 int8 and decodes q * d. Only group-32 formats map (int4 either way, int8
   symmetric); others raise a UserError naming the recipe that fits.
 * torchao / ExecuTorch XNNPACK 8da4w (`to_torchao`, `torchao_model`): `IntxUnpackedToInt8Tensor`
   holds the same int8 codes, scales and int8 zero points; with `act_quant` it carries
   `int8_asym_per_token` activation quantization, which XNNPACK lowers to its dynamically quantized
-  linear. XNNPACK's 4-bit kernels want symmetric weights (the 8da4w recipes are).
+  linear. XNNPACK's 4-bit kernels want symmetric weights (the 8da4w recipes are); a float zero point
+  (8da4w-*-fzp) becomes `OffsetLinear`: its symmetric part on XNNPACK's kernel plus a float linear
+  over the input's group sums (`QuantLinear.offset_split`), ordinary ops that every runner has.
 """
 
 from __future__ import annotations
@@ -76,7 +83,8 @@ def _unpack_low_first(packed: np.ndarray, bits: int, length: int) -> np.ndarray:
 
 
 def to_matmulnbits(module: _IntStorage, scale_dtype: np.dtype = np.float32) -> MatMulNBitsWeights:
-    """The inputs and attributes of a MatMulNBits node computing `module` (a QuantLinear)."""
+    """The inputs and attributes of a MatMulNBits node computing `module` (a QuantLinear); for a float
+    zero point, its symmetric part q * d (the offsets come from `module.offset_split()`)."""
     bits, g = module.fmt.bits, module.group_size
     N, K = module.qweight.shape
     if bits not in MATMULNBITS_BITS:
@@ -88,9 +96,11 @@ def to_matmulnbits(module: _IntStorage, scale_dtype: np.dtype = np.float32) -> M
     codes = (module.qweight.numpy().astype(np.int16) + offset).astype(np.uint8)  # [N, K] in [0, 2^bits)
     k_blocks = K // g
     B = _pack_low_first(codes.reshape(N, k_blocks, g), bits)  # [N, k_blocks, g * bits / 8]
+    scales = module.scales.numpy().astype(scale_dtype)
+    if module.fmt.float_zero:
+        return MatMulNBitsWeights(B, scales, None, K, N, bits, g)
     zeros = module.zeros.numpy().astype(np.int16) + offset  # [N, k_blocks]
     zero_points = None if np.all(zeros == offset) else _pack_low_first(zeros.astype(np.uint8), bits)
-    scales = module.scales.numpy().astype(scale_dtype)
     return MatMulNBitsWeights(B, scales, zero_points, K, N, bits, g)
 
 
@@ -110,12 +120,16 @@ def matmulnbits_reference(w: MatMulNBitsWeights) -> np.ndarray:
 # ---- GGUF Q4_0 / Q4_1 / Q8_0 ------------------------------------------------------------------------
 
 # GGUF type -> (bits, symmetric, the recipe that produces it).
-GGUF_FORMATS = {"Q4_0": (4, True, "int4-g32-sym"), "Q4_1": (4, False, "int4-g32"), "Q8_0": (8, True, "int8-g32")}
+GGUF_FORMATS = {"Q4_0": (4, True, "int4-g32-sym"), "Q4_1": (4, False, "int4-g32 or int4-g32-fzp"),
+                "Q8_0": (8, True, "int8-g32")}
 
 
 def gguf_type_of(fmt, group_size: int | None) -> str | None:
-    """The GGUF type holding a layer of format `fmt` bit for bit, or None."""
+    """The GGUF type holding a layer of format `fmt` (bit for bit; a float zero point's minimum within
+    float32 rounding), or None. Q4_1's minimum is a float, so both asymmetric int4 kinds map onto it."""
     if fmt is None or fmt.kind != "int" or group_size != GGUF_BLOCK:
+        return None
+    if fmt.float_zero and fmt.bits != 4:
         return None
     return next((t for t, (bits, sym, _) in GGUF_FORMATS.items() if (bits, sym) == (fmt.bits, fmt.symmetric)), None)
 
@@ -157,7 +171,13 @@ def to_gguf_q4_1(module: _IntStorage) -> np.ndarray:
     nb = K // GGUF_BLOCK
     d = module.scales.float()
     m = -d * (module.zeros.float() + 8)
-    if not torch.equal(m.half().float(), m):
+    if module.fmt.float_zero:  # z = -8 - m16 / d: the product recovers m16 to far within half an fp16 step
+        m16 = m.half().float()
+        if not torch.all((m16 - m).abs() <= m.abs() * 2.0**-16 + 2.0**-30):
+            raise UserError("these float zero points are not fp16 group minima; re-quantize with this version "
+                            "of edgefinfer")
+        m = m16
+    elif not torch.equal(m.half().float(), m):
         raise UserError("these asymmetric int4 scales cannot hold their zero point in GGUF Q4_1's fp16 minimum; "
                         "re-quantize with this version of edgefinfer (it chooses scales that can)")
     return np.concatenate([_fp16_bytes(d.numpy(), N, nb), _fp16_bytes(m.numpy(), N, nb), _nibbles(module)],
@@ -184,15 +204,39 @@ def to_torchao(module: _IntStorage, dtype: torch.dtype = torch.float32) -> Tenso
     except ImportError as e:
         raise UserError("the ExecuTorch layout needs torchao: pip install torchao==0.18.0") from e
     act = ActQuant.INT8_ASYM_PER_TOKEN if getattr(module, "act_quant", False) else None
+    # A float zero point ships as its symmetric part (zero point 0); OffsetLinear adds the offsets.
+    zeros = torch.zeros_like(module.zeros, dtype=torch.int8) if module.fmt.float_zero else module.zeros
     return IntxUnpackedToInt8Tensor(
         qdata=module.qweight,
         scale=module.scales.to(dtype),
-        zero_point=module.zeros,
+        zero_point=zeros,
         target_dtype=getattr(torch, f"int{module.fmt.bits}"),
         block_size=(1, module.group_size),
         dtype=dtype,
         activation_quantization=act,
     )
+
+
+class OffsetLinear(nn.Module):
+    """y = linear(x) + offsets @ group_sums(x): a float-zero-point QuantLinear as two ordinary linears
+    (the first holds the symmetric codes as a torchao tensor, the second the [N, G] group offsets).
+
+    The group sums are taken as a mean over a [T, G, g, 1] view with keepdim (times g, folded into the
+    offsets): XNNPACK has no sum, and its partitioner takes mean.dim only as a 4-D global average pool
+    over dims (2, 3); an undelegated sum would split every layer's XNNPACK graph in pieces (measured:
+    lowering SmolLM2 took over 8 minutes before it was stopped)."""
+
+    def __init__(self, linear: nn.Linear, offsets: Tensor, group_size: int):
+        super().__init__()
+        self.linear = linear
+        self.offsets = nn.Linear(offsets.shape[1], offsets.shape[0], bias=False)
+        self.offsets.weight = nn.Parameter(offsets * group_size, requires_grad=False)  # [N, G], x g for the mean
+        self.group_size = group_size
+
+    def forward(self, x: Tensor) -> Tensor:  # [..., K] -> [..., N]
+        G = x.shape[-1] // self.group_size
+        means = x.reshape(-1, G, self.group_size, 1).mean((2, 3), keepdim=True)  # [T, G, 1, 1]
+        return self.linear(x) + self.offsets(means.reshape(*x.shape[:-1], G))
 
 
 def torchao_model(model: nn.Module, dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -214,6 +258,8 @@ def torchao_model(model: nn.Module, dtype: torch.dtype = torch.float32) -> nn.Mo
         else:
             new = nn.Embedding(module.num_embeddings, module.embedding_dim, device="meta")
         new.weight = converted[key]
+        if isinstance(module, QuantLinear) and module.fmt.float_zero:
+            new = OffsetLinear(new, module.offset_split()[1].to(dtype), module.group_size)
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
     return model

@@ -3,6 +3,7 @@
 Each module stores exactly what an exporter needs and nothing derived:
 
     QuantLinear / QuantEmbedding   qweight int8 [N, K] (codes), scales fp16 [N, G], zeros int8 [N, G]
+                                   (float32 code units for a float zero point, `-fzp`)
     Fp8Linear                      qweight float8_e4m3fn [N, K], scales fp32 [N, 1]
 
 plus the format (bits, group size, symmetric). The eager forward dequantizes, so it computes with
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from edgefinfer.compile.quant.primitives import (Fp8Weights, IntWeights, dequantize_fp8, dequantize_int,
-                                                 fake_quant_per_token_int8)
+                                                 fake_quant_per_token_int8, zero_dtype)
 from edgefinfer.compile.quant.recipe import WeightFormat
 
 FLOAT_BYTES = 2  # unquantized tensors are counted at fp16/bf16, as they would be deployed
@@ -34,7 +35,7 @@ class _IntStorage(nn.Module):
         self.group_size = fmt.group_for(k, where)
         self.register_buffer("qweight", torch.zeros(n, k, dtype=torch.int8))
         self.register_buffer("scales", torch.ones(n, k // self.group_size, dtype=torch.float16))
-        self.register_buffer("zeros", torch.zeros(n, k // self.group_size, dtype=torch.int8))
+        self.register_buffer("zeros", torch.zeros(n, k // self.group_size, dtype=zero_dtype(fmt)))
 
     @property
     def bits(self) -> int:
@@ -50,7 +51,7 @@ class _IntStorage(nn.Module):
                              f"expected {tuple(self.qweight.shape)} {tuple(self.scales.shape)}")
         self.qweight = w.codes.to(torch.int8).contiguous()
         self.scales = w.scales.to(torch.float16).contiguous()
-        self.zeros = w.zeros.to(torch.int8).contiguous()
+        self.zeros = w.zeros.to(zero_dtype(self.fmt)).contiguous()
 
     def int_weights(self) -> IntWeights:
         return IntWeights(self.qweight, self.scales, self.zeros)
@@ -58,11 +59,22 @@ class _IntStorage(nn.Module):
     def dequantized(self, dtype: torch.dtype = torch.float32) -> Tensor:
         return dequantize_int(self.qweight, self.scales, self.zeros).to(dtype)  # [N, K]
 
+    def offset_split(self) -> tuple[Tensor, Tensor]:
+        """A float-zero-point matrix as a symmetric one plus per-group offsets: (q - z) * d =
+        q * d + m with m = -z * d, so W x = (q * d) x + m @ group_sums(x).
+
+        Returns (q * d [N, K] float32, m [N, G] float32). Kernels without float zero points run the
+        first term as an ordinary symmetric int4 matmul (XNNPACK qb4w, MatMulNBits' fast path) and
+        the second as a small float matmul over the G = K / group_size sums of x."""
+        zero = torch.zeros_like(self.zeros, dtype=torch.float32)
+        return dequantize_int(self.qweight, self.scales, zero), -self.zeros.float() * self.scales.float()
+
     def packed_bytes(self) -> int:
-        """Bytes in a packed deployment: codes at `bits` each, fp16 scales, zero points if asymmetric."""
+        """Bytes in a packed deployment: codes at `bits` each, fp16 scales, zero points if asymmetric
+        (`bits` each, or an fp16 minimum each for a float zero point)."""
         n, k = self.qweight.shape
         groups = self.scales.numel()
-        zero_bits = 0 if self.fmt.symmetric else groups * self.fmt.bits
+        zero_bits = groups * (16 if self.fmt.float_zero else 0 if self.fmt.symmetric else self.fmt.bits)
         return (n * k * self.fmt.bits + zero_bits + 7) // 8 + 2 * groups
 
 
@@ -89,9 +101,16 @@ class QuantLinear(_IntStorage):
         return self.dequantized()
 
     def forward(self, x: Tensor) -> Tensor:  # [..., K] -> [..., N]
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        if self.act_quant and self.fmt.float_zero:
+            # As the .pte computes it: the symmetric part on int8 activations (XNNPACK's dynamically
+            # quantized linear), the group offsets on the float activations (a float linear).
+            w, offsets = self.offset_split()
+            y = F.linear(fake_quant_per_token_int8(x), w.to(x.dtype), bias)
+            return y + F.linear(group_sums(x, self.group_size), offsets.to(x.dtype))
         if self.act_quant:
             x = fake_quant_per_token_int8(x)
-        return F.linear(x, self.dequantized(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        return F.linear(x, self.dequantized(x.dtype), bias)
 
     def packed_bytes(self) -> int:
         return super().packed_bytes() + (0 if self.bias is None else FLOAT_BYTES * self.bias.numel())
@@ -99,6 +118,11 @@ class QuantLinear(_IntStorage):
     def extra_repr(self) -> str:
         act = ", act=int8-per-token" if self.act_quant else ""
         return f"in={self.in_features}, out={self.out_features}, {self.fmt.label()}{act}"
+
+
+def group_sums(x: Tensor, group_size: int) -> Tensor:
+    """[..., K] -> [..., K / group_size]: the sum of each group of consecutive channels."""
+    return x.unflatten(-1, (x.shape[-1] // group_size, group_size)).sum(-1)
 
 
 class QuantEmbedding(_IntStorage):

@@ -20,6 +20,14 @@ Conventions (shared by every method and every exporter, see docs/QUANTIZATION.md
   an fp16 value too, so that GGUF's Q4_1 (x = d * q + m, fp16 d and m = -d * zero) holds exactly these
   weights: an fp16 d times a 4-bit integer needs up to 15 significant bits, fp16 has 11.
 
+* Float zero point (`WeightFormat.float_zero`, recipes `-fzp`): the grid starts at the group's minimum
+  m, rounded *down* to fp16, with scale (max - m) / (qmax - qmin) rounded up; the zero point in code
+  units, z = qmin - m / d, is a float32 and dequantization is the same `(q - z) * scale`. GGUF's Q4_1
+  stores m = -d * (z - qmin) rounded back to fp16, which recovers the chosen minimum exactly (the
+  float32 round trip is off by far less than half an fp16 step), so llama.cpp decodes d * nibble + m
+  within float32 rounding of these weights. Unlike an integer zero point, zero is not exact; in
+  exchange a weight that already sits on such a grid (a checkpoint that came from Q4_1) is kept.
+
 Every rounding error is therefore at most scale / 2 (plus the fp16 rounding of the scale itself).
 """
 
@@ -44,7 +52,7 @@ class IntWeights(NamedTuple):
 
     codes: Tensor  # int8 [N, K], values in qrange(bits, symmetric)
     scales: Tensor  # float16 [N, K // group_size]
-    zeros: Tensor  # int8 [N, K // group_size]; all 0 when symmetric
+    zeros: Tensor  # int8 [N, K // group_size]; all 0 when symmetric; float32 for a float zero point
 
 
 class Fp8Weights(NamedTuple):
@@ -74,10 +82,31 @@ def round_scale(scale: Tensor, scale_dtype: str = "float16") -> Tensor:
     return h.float()
 
 
-def choose_qparams(w: Tensor, bits: int, symmetric: bool, scale_dtype: str = "float16") -> tuple[Tensor, Tensor]:
-    """Scale (fp16- or bf16-valued float32) and zero point (float, integral) of each row of `w` [..., g] -> [...]."""
+def round_down_fp16(x: Tensor) -> Tensor:
+    """The largest float16 value <= x (clamped to fp16's finite range), as float32."""
+    x = x.float().clamp(-FP16_MAX, FP16_MAX)
+    h = x.half()
+    # One step down: towards -inf, i.e. the bits move away from zero for negatives, towards it for positives.
+    step_down = torch.where(h.float() > 0, h.view(torch.int16) - 1, h.view(torch.int16) + 1)
+    zero_down = torch.full_like(h, -(2.0**-24)).view(torch.int16)  # the next value below +-0
+    step_down = torch.where(h.float() == 0, zero_down, step_down)
+    return torch.where(h.float() > x, step_down.view(torch.float16), h).float()
+
+
+def choose_qparams(w: Tensor, bits: int, symmetric: bool, scale_dtype: str = "float16",
+                   float_zero: bool = False) -> tuple[Tensor, Tensor]:
+    """Scale (fp16- or bf16-valued float32) and zero point of each row of `w` [..., g] -> [...]:
+    an integral float, or with `float_zero` a float32 in code units (see the module docstring)."""
     qmin, qmax = qrange(bits, symmetric)
     w = w.float()
+    if float_zero:
+        low = round_down_fp16(w.amin(-1))
+        # Rounded to nearest, not up: a group already on such a grid keeps its exact step (the top code
+        # then lands within 2^-11 * (qmax - qmin) steps of the group maximum, far inside half a step;
+        # bfloat16 scales, XNNPACK's, 2^-8 * 15 = 0.06 steps).
+        dtype, largest = _SCALE_DTYPES[scale_dtype]
+        scale = ((w.amax(-1) - low) / (qmax - qmin)).clamp(SCALE_MIN, largest).to(dtype).float()
+        return scale, qmin - low / scale
     min_neg = w.amin(-1).clamp(max=0.0)  # [...]
     max_pos = w.amax(-1).clamp(min=0.0)
     if symmetric:
@@ -119,12 +148,20 @@ def exact_offset_scale(scale: Tensor, min_neg: Tensor, bits: int, scale_dtype: s
     return scale, zero
 
 
-def quantize_with(w: Tensor, scale: Tensor, zero: Tensor, bits: int, symmetric: bool) -> Tensor:
+def quantize_with(w: Tensor, scale: Tensor, zero: Tensor, bits: int, symmetric: bool,
+                  float_zero: bool = False) -> Tensor:
     """Codes (float, integral) of `w` [..., g] with per-row scale/zero [...] (or broadcastable)."""
     qmin, qmax = qrange(bits, symmetric)
     if scale.dim() == w.dim() - 1:
         scale, zero = scale[..., None], zero[..., None]
+    if float_zero:  # the nearest grid point of a grid that starts at a float offset
+        return torch.round(w.float() / scale + zero).clamp(qmin, qmax)
     return (torch.round(w.float() / scale) + zero).clamp(qmin, qmax)
+
+
+def zero_dtype(fmt: WeightFormat) -> torch.dtype:
+    """How zero points are stored: int8 codes, or float32 code units for a float zero point."""
+    return torch.float32 if fmt.float_zero else torch.int8
 
 
 def quantize_int(w: Tensor, fmt: WeightFormat, where: str = "this layer") -> IntWeights:
@@ -132,9 +169,9 @@ def quantize_int(w: Tensor, fmt: WeightFormat, where: str = "this layer") -> Int
     N, K = w.shape
     g = fmt.group_for(K, where)
     groups = w.detach().float().reshape(N, K // g, g)  # [N, G, g]
-    scale, zero = choose_qparams(groups, fmt.bits, fmt.symmetric, fmt.scale_dtype)  # [N, G]
-    codes = quantize_with(groups, scale, zero, fmt.bits, fmt.symmetric)
-    return IntWeights(codes.reshape(N, K).to(torch.int8), scale.to(torch.float16), zero.to(torch.int8))
+    scale, zero = choose_qparams(groups, fmt.bits, fmt.symmetric, fmt.scale_dtype, fmt.float_zero)  # [N, G]
+    codes = quantize_with(groups, scale, zero, fmt.bits, fmt.symmetric, fmt.float_zero)
+    return IntWeights(codes.reshape(N, K).to(torch.int8), scale.to(torch.float16), zero.to(zero_dtype(fmt)))
 
 
 def dequantize_int(codes: Tensor, scales: Tensor, zeros: Tensor) -> Tensor:
