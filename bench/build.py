@@ -7,7 +7,7 @@ artefact in its own runtime on the same test tokens), host decode and prefill to
 Each target's default recipe (edgefinfer.targets) is a row, beside the alternatives it was chosen over,
 and `--quality-budget 5` on android is a row of its own (the recipe it picked, measured the same way).
 ExecuTorch lowers SmolLM2 in 6-11 minutes on 2 cores, so the .pte rows are the android default, the
-budget build (a program-cache hit when it picks the default) and the best 4-bit alternative.
+budget build (a program-cache hit when it picks the default) and the 8-bit alternative.
 Side by side: our ONNX int4 vs onnxruntime-genai's model builder int4 of the same weights
 (bench/onnx_vs_genai.py), and our GGUF Q8_0 vs llama.cpp's own quantizer run on our F16 export.
 Our .pte vs ExecuTorch's own LLM export is bench/et_vs_export_llm.py (its own results file).
@@ -28,13 +28,15 @@ from common import machine, print_table, versions, write_results  # noqa: E402
 DEFAULT = "default"  # the target's default recipe
 BUDGET = "budget:5"  # `--quality-budget 5`: the recipe the build chooses
 PLAN = [  # (target, recipe)
-    ("android", DEFAULT),
+    ("android", DEFAULT),  # 8da4w-g32-fzp
     ("android", BUDGET),
-    ("android", "8da4w-gptq-g32"),  # the best 4-bit alternative (GPTQ, int8 embeddings/head)
-    ("linux-x86_64", DEFAULT),
-    ("linux-x86_64", "int4-g32"),
-    ("linux-x86_64", "int4-gptq-g32"),  # the best 4-bit alternative
+    ("android", "8da8w"),  # the 8-bit alternative (the default before float zero points)
+    ("linux-x86_64", DEFAULT),  # int4-g32-fzp
+    ("linux-x86_64", "int8"),  # the 8-bit alternative (the default before)
+    ("linux-x86_64", "int4-g32"),  # integer zero points on the same grid size
+    ("linux-x86_64", "int4-gptq-g32"),
     ("gpu-server", DEFAULT),
+    ("gpu-server", "int4-g32-fzp"),  # Q4_1 from our float zero points (llama.cpp's own Q4_1 is the default)
     ("gpu-server", "int4-g32-sym"),  # Q4_0 from our symmetric codes
     ("gpu-server", "int4-g32"),  # Q4_1 from our asymmetric codes (integer zero points)
     ("gpu-server", "int8-g32-emb8"),  # Q8_0; also the peer comparison below

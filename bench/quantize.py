@@ -1,6 +1,8 @@
 """Quantization benchmark: size and held-out perplexity of every scheme, on two models.
 
     python bench/quantize.py [--quick] [--threads N] [--only RECIPE,...] [--skip-student]
+    python bench/quantize.py --add RECIPE,...   # measure rows with the full settings, merge them into
+                                                # the committed quantize.json (same rows replaced)
 
 Models:
 * the reference model (SmolLM2-135M-Instruct; its weights are dequantized Q4_1, i.e. they sit on an
@@ -62,14 +64,17 @@ VARIANTS = {
     "int4-awq-gptq-g32 damp-sweep": ("int4-awq-gptq-g32", {"gptq": {"damp_grid": DAMP_GRID}}),
     "int4-gptq-g32-rot damp-sweep": ("int4-gptq-g32-rot", {"gptq": {"damp_grid": DAMP_GRID}}),
 }
+# -fzp (float zero point: the group minimum in fp16, as GGUF Q4_1): on the reference model it recovers
+# the grid the weights were distributed on, so it measures the model's history as much as the method.
+FZP_RECIPES = ["int4-g32-fzp", "int4-gptq-g32-fzp", "8da4w-g32-fzp", "int4-g32-fzp-rot"]
 FULL_RECIPES = ["int8", "int8-g32", "int4-g32", "int4-g64", "int4-g128",
                 "int4-gptq-g32", "int4-gptq-g64", "int4-gptq-noact-g32",
                 "int4-gptq-g32 parallel", "int4-gptq-g32 damp-sweep", "int4-gptq-g32 calib=austen",
                 "int4-awq-noclip-g32", "int4-awq-g32", "int4-awq-gptq-g32",
                 "8da4w-g32", "8da4w-gptq-g32",
-                "int4-g32-rot", "int4-gptq-g32-rot", "int4-awq-gptq-g32-rot", "8da4w-gptq-g32-rot"]
+                "int4-g32-rot", "int4-gptq-g32-rot", "int4-awq-gptq-g32-rot", "8da4w-gptq-g32-rot", *FZP_RECIPES]
 STUDENT_RECIPES = ["int8", "int4-g32", "int4-gptq-g32", "int4-awq-g32", "int4-awq-gptq-g32", "int4-g32-rot",
-                   "int4-gptq-g32-rot"]
+                   "int4-gptq-g32-rot", "int4-g32-fzp", "int4-gptq-g32-fzp", "8da4w-g32-fzp"]
 QUICK_RECIPES = ["int8", "int4-g32", "int4-gptq-g32"]
 
 
@@ -163,7 +168,8 @@ def make_recipe(name: str):
     return recipe.replace(name=name), changes.get("calib", "calib-mix")
 
 
-def bench_model(label: str, model, domains: dict, calib: dict, names: list[str], opts: dict, rows: list[dict]) -> dict:
+def bench_model(label: str, model, domains: dict, calib: dict, names: list[str], opts: dict, rows: list[dict],
+                float_row: bool = True) -> dict:
     from edgefinfer.compile.quant.apply import plan_formats, quantize_model
     from edgefinfer.compile.quant.report import float_size_bytes
     from edgefinfer.errors import UserError
@@ -173,10 +179,11 @@ def bench_model(label: str, model, domains: dict, calib: dict, names: list[str],
     float_ppl = {d: e.float_ppl for d, e in evaluators.items()}
     float_bytes = float_size_bytes(model)
     test = evaluators["test"]
-    rows.append({"model": label, "recipe": "float", "size_bytes": float_bytes, "size_pct_fp16": 100.0,
-                 "test_ppl": test.float_ppl, "kl_to_float": 0.0, "top1_agreement": 1.0, "eval_tokens": test.tokens,
-                 "heldout_ppl": float_ppl, "heldout_increase_pct": {d: 0.0 for d in domains},
-                 "worst_increase_pct": 0.0, "quantize_s": 0.0})
+    if float_row:
+        rows.append({"model": label, "recipe": "float", "size_bytes": float_bytes, "size_pct_fp16": 100.0,
+                     "test_ppl": test.float_ppl, "kl_to_float": 0.0, "top1_agreement": 1.0,
+                     "eval_tokens": test.tokens, "heldout_ppl": float_ppl,
+                     "heldout_increase_pct": {d: 0.0 for d in domains}, "worst_increase_pct": 0.0, "quantize_s": 0.0})
     print(f"[{label}] float ppl " + ", ".join(f"{d} {p:.2f}" for d, p in float_ppl.items())
           + f" ({time.perf_counter() - t0:.0f}s)", file=sys.stderr)
     for name in names:
@@ -215,6 +222,29 @@ def bench_model(label: str, model, domains: dict, calib: dict, names: list[str],
             "seconds": time.perf_counter() - t0}
 
 
+def merge_rows(new_rows: list[dict], models: dict, t0: float) -> Path:
+    """Put `new_rows` (measured with FULL) into the committed quantize.json in place of the rows of the
+    same model and recipe, recompute the goals, and note what was added when."""
+    from common import RESULTS
+
+    path = RESULTS / "quantize.json"
+    payload = json.loads(path.read_text())
+    if payload.get("quick") or payload.get("only"):
+        raise SystemExit(f"{path} is not a full run: run the full benchmark before adding rows to it")
+    for label, m in models.items():  # the float figures these rows were measured against must agree
+        committed = payload["models"].get(label, {}).get("float_test_ppl")
+        if committed is not None and abs(committed - m["float_test_ppl"]) > 1e-4 * committed:
+            raise SystemExit(f"{label}: float test ppl {m['float_test_ppl']:.6f} here, {committed:.6f} in {path}: "
+                             "the settings or the model changed; run the full benchmark")
+    keys = {(r["model"], r["recipe"]) for r in new_rows}
+    payload["rows"] = [r for r in payload["rows"] if (r["model"], r["recipe"]) not in keys] + new_rows
+    payload["goals"] = {label: goals(payload["rows"], label) for label in payload["models"]}
+    payload.setdefault("added", []).append({"rows": sorted(f"{m}:{r}" for m, r in keys),
+                                            "date": time.strftime("%Y-%m-%d"), "machine": machine(),
+                                            "seconds": round(time.perf_counter() - t0, 1)})
+    return write_results("quantize", payload)
+
+
 def goals(rows: list[dict], label: str) -> dict:
     """The issue's goals, read off one model's rows (worst held-out domain throughout)."""
     done = {r["recipe"]: r for r in rows if r["model"] == label and r.get("worst_increase_pct") is not None}
@@ -240,10 +270,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1).")
     parser.add_argument("--skip-student", action="store_true", help="Only the reference model.")
     parser.add_argument("--only", help="Comma-separated rows to run (a look at a few; not for committed results).")
+    parser.add_argument("--add", help="Comma-separated rows to measure with the full settings and merge into the "
+                                      "committed quantize.json (rows of the same model and recipe are replaced; "
+                                      "the student gets those of them in its list).")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.add and (args.quick or args.only):
+        parser.error("--add measures with the full settings: it does not combine with --quick or --only")
     opts = QUICK if args.quick else FULL
-    names = args.only.split(",") if args.only else QUICK_RECIPES if args.quick else FULL_RECIPES
+    names = (args.add or args.only).split(",") if (args.add or args.only) else QUICK_RECIPES if args.quick else FULL_RECIPES
 
     from edgefinfer.checkpoint import load_model
     from edgefinfer.data import load_text, token_blocks
@@ -266,6 +301,8 @@ def main() -> None:
     models: dict = {}
 
     def save() -> Path:  # after each model, so a failure later keeps what was measured
+        if args.add:
+            return merge_rows(rows, models, t0)
         payload.update(float_test_ppl=models["smollm2-135m"]["float_test_ppl"],
                        float_size_bytes=models["smollm2-135m"]["float_size_bytes"],
                        goals={label: goals(rows, label) for label in models}, wall_seconds=time.perf_counter() - t0)
@@ -283,12 +320,13 @@ def main() -> None:
         "machine": machine(), "threads": torch.get_num_threads(),
         "versions": versions("torchao", "numpy", "safetensors", "gguf", "onnxruntime"),
     }
-    models["smollm2-135m"] = bench_model("smollm2-135m", load_model(folder), domains, calib, names, opts, rows)
+    fresh = not args.add  # --add: the committed file already has the float rows
+    models["smollm2-135m"] = bench_model("smollm2-135m", load_model(folder), domains, calib, names, opts, rows, fresh)
     path = save()
-    if not args.skip_student and not args.quick:
+    student_names = [n for n in STUDENT_RECIPES if not (args.only or args.add) or n in names]
+    if not args.skip_student and not args.quick and student_names:
         student, provenance = student_model(folder, tok)
-        student_names = [n for n in STUDENT_RECIPES if not args.only or n in names]
-        models["student"] = bench_model("student", student, domains, calib, student_names, opts, rows)
+        models["student"] = bench_model("student", student, domains, calib, student_names, opts, rows, fresh)
         models["student"].update(provenance, parameters=sum(p.numel() for p in student.parameters()))
         path = save()
     table = [{**r, "skipped": (r.get("skipped") or "")[:40] or None,

@@ -7,16 +7,15 @@ second with the SDK's name and how to get it.
 Default recipes are quality-first: the smallest recipe whose artefact, measured by its own runtime
 on the test split, stays within +5% perplexity of the float model (bench/results/build.json; the
 candidates are `edgefinfer.app.build.CANDIDATES`, `--quality-budget 5` re-derives the choice for any
-model). On the shipped SmolLM2-135M no 4-bit recipe gets there: its weights were distributed as
-GGUF Q4_1 (16 levels per group of 32 with a float minimum), and re-rounding them onto another
-4-bit grid (symmetric for XNNPACK, integer zero points for MatMulNBits / Q4_1 from our codes)
-costs +12% to +28% even with GPTQ and 8-bit layers where the loss is largest (measured). So the
-XNNPACK and ONNX defaults are 8-bit: android / linux-arm64 8da8w (+2.0% eager; the previous
-8da4w-g32-emb4 was +47% on the .pte), linux-x86_64 int8 (+0.6%). gpu-server takes llama.cpp's own
-Q4_1 (`llamacpp-q4_1`, float block minimum: it lands back on the distributed grid, +0.4% measured by
-llama.cpp, 98 MB against Q8_0's 145 MB); on a model that never saw a 4-bit grid that figure would
-not hold, and `--quality-budget` measures it again. 4-bit recipes of our own stay one `--recipe`
-away (8da4w-gptq-g32, int4-gptq-g32, int4-g32-sym).
+model). The shipped SmolLM2-135M was distributed as GGUF Q4_1 (16 levels per group of 32 from a float
+minimum), so a 4-bit grid with a float zero point (`-fzp`) holds its weights as they are, while
+symmetric or integer-zero-point grids re-round them (+12% to +28%, even with GPTQ). The defaults:
+android / linux-arm64 8da4w-g32-fzp (XNNPACK's int4 kernel on the symmetric part, a float linear for
+the group offsets, int8 dynamic activations: +2% measured on the .pte, 4-bit size and speed; the
+8-bit 8da8w before it was +1.8% at 1.4x the size), linux-x86_64 int4-g32-fzp (MatMulNBits plus group
+offsets, +0.3% measured by ONNX Runtime), gpu-server llama.cpp's own Q4_1 (`llamacpp-q4_1`, +0.4%).
+On a model that never saw a 4-bit grid these figures would not hold (bench/quantize.py reports a
+distilled student beside the reference), and `--quality-budget` measures the candidates again.
 """
 
 from __future__ import annotations
@@ -82,16 +81,16 @@ class Target:
 
 TARGETS: dict[str, Target] = {t.name: t for t in [
     Target("android", "Android phones: ExecuTorch .pte on the CPU via XNNPACK, 8-bit dynamic activations "
-           "with 8-bit per-channel weights (4-bit groupwise: --recipe 8da4w-gptq-g32)", "pte", "executorch", "8da8w",
-           "xnnpack", (EXECUTORCH, TORCHAO)),
+           "with 4-bit groupwise weights and float zero points (8-bit per-channel: --recipe 8da8w)", "pte",
+           "executorch", "8da4w-g32-fzp", "xnnpack", (EXECUTORCH, TORCHAO)),
     Target("ios", "iPhones: ExecuTorch .pte delegated to Core ML (ANE/GPU/CPU), fp16", "pte", "executorch", "fp16",
            "coreml", (EXECUTORCH, COREMLTOOLS), runs_here=False),
     Target("coreml", "Macs with Core ML: ExecuTorch .pte delegated to Core ML, fp16", "pte", "executorch", "fp16",
            "coreml", (EXECUTORCH, COREMLTOOLS), runs_here=False),
-    Target("linux-arm64", "ARM64 Linux boards (Raspberry Pi, Jetson CPU): ExecuTorch .pte via XNNPACK, 8da8w",
-           "pte", "executorch", "8da8w", "xnnpack", (EXECUTORCH, TORCHAO)),
-    Target("linux-x86_64", "x86-64 Linux: ONNX Runtime CPU, int8 MatMulNBits (int4: --recipe int4-gptq-g32)", "onnx",
-           "onnxruntime", "int8", None, (ONNX, ONNXRUNTIME)),
+    Target("linux-arm64", "ARM64 Linux boards (Raspberry Pi, Jetson CPU): ExecuTorch .pte via XNNPACK, "
+           "8da4w-g32-fzp", "pte", "executorch", "8da4w-g32-fzp", "xnnpack", (EXECUTORCH, TORCHAO)),
+    Target("linux-x86_64", "x86-64 Linux: ONNX Runtime CPU, int4 MatMulNBits with float zero points as group "
+           "offsets (int8: --recipe int8)", "onnx", "onnxruntime", "int4-g32-fzp", None, (ONNX, ONNXRUNTIME)),
     Target("qnn", "Qualcomm Snapdragon NPUs (HTP): ONNX Runtime QNN context binary, QDQ A16W8, static shapes",
            "qnn-context", "onnxruntime", "qdq-a16w8", "qnn", (ONNX, ONNXRUNTIME, ORT_QNN), runs_here=True),
     Target("mediatek", "MediaTek APUs (Dimensity): ExecuTorch .pte delegated to NeuroPilot, static A16W8 "

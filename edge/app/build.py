@@ -38,10 +38,11 @@ from edgefinfer.targets import Target, get_target
 # Candidate recipes per artefact format for --quality-budget, smallest first; at one size the cheap
 # round-to-nearest one before the data-aware one (GPTQ: about a minute on the reference model).
 CANDIDATES: dict[str, list[str]] = {
-    "pte": ["8da4w-g128-emb4", "8da4w-g32-emb4", "8da4w-gptq-g32-emb4", "8da4w-g32", "8da4w-gptq-g32", "8da8w",
-            "fp32"],
-    "onnx": ["int4-g64", "int4-g32", "int4-gptq-g32", "int8", "fp32"],
-    "gguf": ["int4-g32-sym", "int4-g32", "llamacpp-q4_1", "int4-gptq-g32", "int8-g32-emb8", "fp16"],
+    "pte": ["8da4w-g128-emb4", "8da4w-g32-emb4", "8da4w-gptq-g32-emb4", "8da4w-g32", "8da4w-gptq-g32",
+            "8da4w-g32-fzp", "8da4w-gptq-g32-fzp", "8da8w", "fp32"],
+    "onnx": ["int4-g64", "int4-g32", "int4-gptq-g32", "int4-g32-fzp", "int4-gptq-g32-fzp", "int8", "fp32"],
+    "gguf": ["int4-g32-sym", "int4-g32", "llamacpp-q4_1", "int4-gptq-g32", "int4-gptq-g32-fzp", "int8-g32-emb8",
+             "fp16"],
 }
 FLOAT_RECIPES = ("fp32", "fp16")
 # GGUF recipes quantized by llama.cpp's own quantizer (llama_model_quantize) from the float model:
