@@ -333,9 +333,9 @@ def main() -> None:
               **{f"{d}_%": (r.get("heldout_increase_pct") or {}).get(d) for d in domains}} for r in rows]
     print_table(table, ["model", "recipe", "size_bytes", "size_pct_fp16", "test_ppl", *[f"{d}_%" for d in domains],
                         "worst_increase_pct", "kl_to_float", "top1_agreement", "quantize_s", "skipped"])
-    for label, g in payload["goals"].items():
+    for label, g in json.loads(path.read_text())["goals"].items():
         print(f"[{label}] goals: {json.dumps(g)}")
-    print(f"wrote {path} in {payload['wall_seconds']:.0f}s")
+    print(f"wrote {path} in {time.perf_counter() - t0:.0f}s")
 
 
 if __name__ == "__main__":
