@@ -219,8 +219,10 @@ def test_float_zero_point_8da4w_runs_on_xnnpack_and_matches_eager(model, store, 
     quantize_model(quantized, parse_recipe("8da4w-g32-fzp"))
     path = tmp_path / "fzp.pte"
     meta = _export(quantized, path, store, recipe="8da4w", max_seq_len=MAX_SEQ)
-    delegates = pte_delegates(path)
-    print(delegates)
+    forward = pte_delegates(path)["forward"]
+    assert "XnnpackBackend" in forward["delegates"]
+    # The group sums are mean-pools XNNPACK takes; a sum would stay outside and split every layer.
+    assert not any(op.startswith("aten::sum") for op in forward["operators"]), forward["operators"]
     tokens = prompt[:16]
     got = teacher_forced(ExecuTorchBackend(path, threads=1), tokens, 8)
     want = teacher_forced(TorchBackend(quantized, max_seq_len=MAX_SEQ), tokens, 8)
