@@ -105,8 +105,12 @@ class WeightFormat:
         if self.kind == "fp8":
             return 8 + 32 / in_features
         g = in_features if self.group_size is None else self.group_size
-        zero_bits = 16 if self.float_zero else 0 if self.symmetric else self.bits
-        return self.bits + (16 + zero_bits) / g
+        return self.bits + (16 + self.zero_point_bits) / g
+
+    @property
+    def zero_point_bits(self) -> int:
+        """Stored bits of one group's zero point: none (symmetric), `bits` (integer), 16 (fp16 minimum)."""
+        return 16 if self.float_zero else 0 if self.symmetric else self.bits
 
     def label(self) -> str:
         if self.kind == "fp8":

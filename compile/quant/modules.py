@@ -74,7 +74,7 @@ class _IntStorage(nn.Module):
         (`bits` each, or an fp16 minimum each for a float zero point)."""
         n, k = self.qweight.shape
         groups = self.scales.numel()
-        zero_bits = groups * (16 if self.fmt.float_zero else 0 if self.fmt.symmetric else self.fmt.bits)
+        zero_bits = groups * self.fmt.zero_point_bits
         return (n * k * self.fmt.bits + zero_bits + 7) // 8 + 2 * groups
 
 
