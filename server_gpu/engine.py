@@ -44,7 +44,8 @@ class ServingEngine:
         self.config = config
         self.manager = PagedKVManager(executor.num_blocks, executor.block_size,
                                       enable_prefix_caching=config.enable_prefix_caching,
-                                      per_sequence_storage=executor.per_sequence_storage, hash_fn=sha256_block_hash)
+                                      per_sequence_storage=executor.per_sequence_storage, hash_fn=sha256_block_hash,
+                                      retain_prefixes=executor.retain_prefixes)
         self.scheduler = Scheduler(config.scheduler, self.manager, tokenizer, stop_ids, executor.batch_invariant,
                                    speculation, supports_swap=executor.supports_swap)
         self.metrics = Metrics(self.snapshot)
@@ -216,7 +217,7 @@ class ServingEngine:
         self._snapshot = {
             "waiting": self.scheduler.num_waiting, "running": self.scheduler.num_running,
             "kv_total": s.num_blocks, "kv_used": s.num_used, "kv_free": s.num_free, "kv_cached": s.num_cached,
-            "kv_usage": s.num_used / s.num_blocks, "prefix_hit_rate": s.hit_rate,
+            "kv_usage": s.num_used / s.num_blocks, "prefix_hit_rate": s.hit_rate, "kv_retained": s.num_retained,
             "spec_acceptance": accepted / drafted if drafted else 0.0, "time": time.time(),
         }
 

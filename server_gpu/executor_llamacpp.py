@@ -15,7 +15,11 @@ Two memory layouts (`kv_unified`):
   exactly what each returns alone. A cross-stream `seq_cp` copies the whole stream (llama.cpp only
   copies full streams), then `seq_rm` cuts it to the shared prefix.
 * True: one pool of cells for all sequences; `seq_cp` shares cells (a prefix costs memory once),
-  and any mix of sequences fits as long as the total does. llama.cpp's kernels then see the whole
+  and any mix of sequences fits as long as the total does. The paged-KV manager's blocks then are
+  the memory: its pool is the cell pool, and what it reports free is free in llama.cpp. Finished
+  requests' prompts stay as retained prefixes (`retain_prefixes`, on llama seq ids beyond the live
+  ones) until the manager needs their blocks, so a later request with the same system prompt
+  copies its cells instead of computing them. llama.cpp's kernels then see the whole
   batch as one attention problem and pick their paths from its size, so a sequence's logits change
   with its neighbours: not batch-invariant (reference model, 16 concurrent greedy requests: logprobs
   off by up to 0.12, and 9 of 16 continuations diverged within 32 tokens; see docs/SERVER.md).
@@ -89,6 +93,11 @@ class LlamaSeqStorage:
             self.ctx.remove(s)
             self._free.append(s)
 
+    def retain(self, seq_id: SeqId, retained_id: SeqId, num_tokens: int) -> None:
+        s = self._slots.pop(seq_id)
+        self._slots[retained_id] = s
+        self.ctx.remove(s, num_tokens)
+
     # ---- SwappableStorage (llama_state_seq_*: restores bit-exactly into any slot) -----------------
     def swap_out(self, seq_id: SeqId) -> None:
         self._swapped[seq_id] = self.ctx.save(self.slot(seq_id))
@@ -119,14 +128,29 @@ class LlamaCppExecutor:
     def __init__(self, gguf_path: str | Path, max_num_seqs: int = 32, max_model_len: int = 2048,
                  max_batch_tokens: int = 512, block_size: int = 16, kv_unified: bool = False,
                  kv_cells: int | None = None, flash_attn: bool = False, kv_dtype: str = "f32",
-                 threads: int | None = None, gpu_layers: int = 0, num_blocks: int | None = None):
+                 threads: int | None = None, gpu_layers: int = 0, num_blocks: int | None = None,
+                 retain_prefixes: int | None = None):
         self.model = LlamaModel(gguf_path, gpu_layers)
         max_model_len = min(max_model_len, self.model.n_ctx_train)
         if kv_cells is not None and not kv_unified:
             raise UserError("--kv-cells sizes the shared pool of --kv-unified; without it each sequence gets "
                             "--max-model-len cells")
-        self.ctx = LlamaContext(self.model, max_num_seqs, max_model_len, unified=kv_unified, flash_attn=flash_attn,
-                                kv_dtype=kv_dtype, threads=threads, max_tokens=max_batch_tokens, total_cells=kv_cells)
+        # Retained prefixes need their own llama seq ids; in per-slot streams each would cost a whole stream.
+        limit = self.model.lib.llama_max_parallel_sequences() - max_num_seqs
+        if retain_prefixes is None:
+            retain_prefixes = min(64, limit) if kv_unified else 0
+        if retain_prefixes and not kv_unified:
+            raise UserError("retained prefixes need --kv-unified (in per-slot streams each would hold a whole "
+                            "--max-model-len stream)")
+        if retain_prefixes > max(limit, 0):
+            raise UserError(f"llama.cpp holds {limit + max_num_seqs} sequences per context: --max-num-seqs "
+                            f"{max_num_seqs} leaves room for {max(limit, 0)} retained prefixes, not {retain_prefixes}")
+        self.retain_prefixes = retain_prefixes
+        num_slots = max_num_seqs + retain_prefixes
+        self.ctx = LlamaContext(self.model, num_slots, max_model_len, unified=kv_unified, flash_attn=flash_attn,
+                                kv_dtype=kv_dtype, threads=threads, max_tokens=max_batch_tokens,
+                                total_cells=kv_cells if kv_cells is not None or not kv_unified
+                                else max_num_seqs * max_model_len)
         self.kv_unified = kv_unified
         self.batch_invariant = not kv_unified
         self.vocab_size = self.model.vocab_size
@@ -139,8 +163,9 @@ class LlamaCppExecutor:
         # A restored sequence is bit-exact only where its cells do not mix with others' (one stream
         # each); in a unified pool the manager's block sharing would also no longer match the cells.
         self.supports_swap = not kv_unified
-        self.storage = LlamaSeqStorage(self.ctx, kv_unified, max_num_seqs)
-        self.settings = {"kv_unified": kv_unified, "flash_attn": flash_attn, "kv_dtype": kv_dtype,
+        self.storage = LlamaSeqStorage(self.ctx, kv_unified, num_slots)
+        self.settings = {"kv_unified": kv_unified, "retain_prefixes": retain_prefixes, "flash_attn": flash_attn,
+                         "kv_dtype": kv_dtype,
                          "threads": self.ctx.threads, "n_ctx": self.ctx.n_ctx, "gpu_layers": gpu_layers}
 
     def execute(self, plan: StepPlan) -> StepResult:

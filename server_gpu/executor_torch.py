@@ -24,6 +24,7 @@ from edgefinfer.server_gpu.interface import SeqWork, StepPlan, StepResult
 class TorchExecutor:
     name = "torch"
     per_sequence_storage = False
+    retain_prefixes = 0  # a block-tensor pool caches freed blocks by itself
     batch_invariant = False  # padded shapes change with the batch, and so can the kernels' rounding
     supports_swap = False  # preemption recomputes
 

@@ -99,6 +99,7 @@ class Executor(Protocol):
     num_blocks: int  # size of the paged-KV manager to build over this storage
     block_size: int
     per_sequence_storage: bool  # see `edgefinfer.runtime.kv.storage`
+    retain_prefixes: int  # freed sequences' prefixes a per-sequence storage keeps (PagedKVManager)
     # True when a sequence's logits do not depend on which other sequences share its forward, as long
     # as its own tokens are split into the same chunks (llama.cpp with one KV stream per sequence).
     batch_invariant: bool

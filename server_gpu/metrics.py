@@ -116,6 +116,8 @@ class Metrics:
         gauge("kv_usage_ratio", "Fraction of KV blocks in use.", gauges.get("kv_usage", 0.0))
         gauge("prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens looked up.",
               gauges.get("prefix_hit_rate", 0.0))
+        gauge("kv_retained_prefixes", "Finished requests' prompts kept in KV for later prefix hits.",
+              gauges.get("kv_retained", 0))
         gauge("generation_tokens_per_second", f"Tokens generated over the last {self._window_s:g} s, per second.",
               tok_s)
         gauge("speculative_acceptance_rate", "Accepted / drafted tokens since start.",

@@ -283,7 +283,7 @@ class Scheduler:
         computed as aligned prompt chunks. None: no room for that (the sequence was freed again)."""
         start = plan.num_cached_tokens
         if self.batch_invariant and start > 0:
-            lender = self._seqs[plan.prefix_source] if plan.prefix_source is not None else None
+            lender = self._seqs.get(plan.prefix_source)  # a retained prefix: no aligned chunks to trust
             aligned = min(start, lender.chunked_len if lender else 0)
             aligned -= aligned % self.config.prefill_chunk
             if aligned < start:

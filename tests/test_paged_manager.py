@@ -12,7 +12,7 @@ import pytest
 
 from edgefinfer.errors import UserError
 from edgefinfer.runtime.kv.block_pool import builtin_block_hash, sha256_block_hash
-from edgefinfer.runtime.kv.paged_manager import CopyOp, NoRoom, PagedKVManager, SlotPlan
+from edgefinfer.runtime.kv.paged_manager import CopyOp, NoRoom, PagedKVManager, RetainedPrefix, SlotPlan
 from edgefinfer.runtime.kv.storage import KVStorage
 
 BS = 4
@@ -47,6 +47,7 @@ class BlockStorage:
     def fork(self, parent_id, child_id, num_tokens): pass
     def truncate(self, seq_id, num_tokens): pass
     def release(self, seq_id): pass
+    def retain(self, seq_id, retained_id, num_tokens): raise AssertionError("a block pool caches by itself")
 
     def forward(self, plan: SlotPlan, new_tokens):
         for slot, tok in zip(plan.slot_mapping, new_tokens, strict=True):
@@ -58,36 +59,60 @@ class BlockStorage:
 
 
 class LlamaStorage:
-    """llama.cpp's per-sequence cells, following the mapping documented in storage.py."""
+    """llama.cpp's per-sequence cells, following the mapping documented in storage.py: a cell is
+    (position, token, the sequence ids that tag it), so shared cells are stored once, as in a
+    unified llama.cpp cache, and `len(cells)` is the memory really in use."""
 
     def __init__(self, num_blocks: int):
-        self.cells: dict = {}  # seq -> {pos: token}
+        self.cells: dict[int, tuple[int, int, set]] = {}  # cell id -> (pos, token, tags)
+        self._next = 0
+
+    def _of(self, seq) -> dict[int, int]:
+        """pos -> cell id of the cells tagged `seq`."""
+        return {c[0]: i for i, c in self.cells.items() if seq in c[2]}
+
+    def _untag(self, seq, keep_below: int = 0) -> None:
+        for i, (pos, _, tags) in list(self.cells.items()):
+            if seq in tags and pos >= keep_below:
+                tags.discard(seq)
+                if not tags:
+                    del self.cells[i]
 
     def copy_blocks(self, ops): pass  # cells are shared by tag; new tokens get new cells
 
     def share_prefix(self, seq_id, source_id, block_ids, num_tokens):  # seq_cp(src, dst, 0, n)
-        src = self.cells[source_id]
+        src = self._of(source_id)
         assert all(p in src for p in range(num_tokens)), "the source does not hold the prefix"
-        self.cells[seq_id] = {p: src[p] for p in range(num_tokens)}
+        for p in range(num_tokens):
+            self.cells[src[p]][2].add(seq_id)
 
     def fork(self, parent_id, child_id, num_tokens):  # seq_cp(parent, child, -1, -1)
-        self.cells[child_id] = dict(self.cells[parent_id])
+        for i in self._of(parent_id).values():
+            self.cells[i][2].add(child_id)
 
     def truncate(self, seq_id, num_tokens):  # seq_rm(seq, n, -1)
-        self.cells[seq_id] = {p: t for p, t in self.cells[seq_id].items() if p < num_tokens}
+        self._untag(seq_id, num_tokens)
 
     def release(self, seq_id):  # seq_rm(seq, -1, -1)
-        del self.cells[seq_id]
+        self._untag(seq_id)
+
+    def retain(self, seq_id, retained_id, num_tokens):  # the slot lives on under another name
+        for _, _, tags in self.cells.values():
+            if seq_id in tags:
+                tags.discard(seq_id)
+                tags.add(retained_id)
+        self._untag(retained_id, num_tokens)
 
     def forward(self, plan: SlotPlan, new_tokens):
-        cells = self.cells.setdefault(plan.seq_id, {})
+        mine = self._of(plan.seq_id)
         for pos, tok in enumerate(new_tokens, plan.start_pos):
-            assert pos not in cells, f"llama_decode would duplicate position {pos}"
-            cells[pos] = tok
+            assert pos not in mine, f"llama_decode would duplicate position {pos}"
+            self.cells[self._next] = (pos, tok, {plan.seq_id})
+            self._next += 1
 
     def tokens_of(self, m: PagedKVManager, seq) -> list:
-        cells = self.cells.get(seq, {})
-        return [cells.get(p) for p in range(max(cells, default=-1) + 1)]
+        cells = self._of(seq)
+        return [self.cells[cells[p]][1] if p in cells else None for p in range(max(cells, default=-1) + 1)]
 
 
 class Driver:
@@ -292,6 +317,58 @@ def test_per_sequence_storage_hits_only_live_computed_holders(hash_fn):
     assert (s.num_used, s.num_cached) == (0, 0) and m.pool.cached_items() == []  # data died with its holders
 
 
+@hash_fns
+def test_retained_prefix_outlives_its_sequence_until_evicted(hash_fn):
+    """A per-sequence storage keeps a freed sequence's cached prefix (vLLM's prefix cache, for
+    llama.cpp): a later prompt hits it, a redundant one is not kept twice, eviction cuts it tail first."""
+    d = Driver(8, hash_fn, per_sequence_storage=True, retain_prefixes=2)
+    m, st = d.m, d.storage
+    d.allocate(0, P + [8])  # blocks 0, 1 full, block 2 partial
+    m.mark_computed(0)
+    ev = d.free(0)
+    rid = ev.retained_as
+    assert (ev.retained_tokens, m.retained()) == (8, {rid: (0, 1)})
+    assert st.tokens_of(m, rid) == P and len(st.cells) == 8  # the partial block's cell is gone
+    assert m.pool.free_block_ids() == [2, 3, 4, 5, 6, 7, 1, 0] and m.stats().num_cached == 2
+
+    hit = d.allocate(1, P + [9, 10])
+    assert (hit.num_cached_tokens, hit.prefix_source, hit.block_ids) == (8, rid, (0, 1, 2))
+    assert st.tokens_of(m, 1) == P + [9, 10] and len(st.cells) == 10  # the prefix is stored once
+    m.mark_computed(1)
+    assert d.free(1).retained_as is None  # what it would keep, rid already holds
+    assert m.retained() == {rid: (0, 1)}
+
+    # Six fresh blocks take the empty ones; the next two evict rid's blocks, its tail block first.
+    d.allocate(2, list(range(100, 124)))
+    plan = d.allocate(3, [50, 51, 52, 53, 54, 55, 56, 57])
+    assert plan.evicted_block_ids == (1, 0)
+    assert [(type(op).__name__, op.seq_id) for op in plan.retained_ops] == [("TruncateEvent", rid), ("FreeEvent", rid)]
+    assert plan.retained_ops[0].num_tokens == 4
+    assert m.retained() == {} and st.tokens_of(m, rid) == [] and len(st.cells) == 32
+    assert m.stats().num_retained == 0
+
+
+def test_retained_prefixes_are_capped_least_recently_used_first():
+    d = Driver(16, builtin_block_hash, per_sequence_storage=True, retain_prefixes=2)
+    m = d.m
+    rids = []
+    for s, first in enumerate([10, 20, 30]):
+        d.allocate(s, [first] * 4 + [1])
+        m.mark_computed(s)
+        rids.append(d.free(s).retained_as)
+        if s == 1:  # a hit makes the first prefix the most recently used
+            assert d.allocate("hit", [10] * 4 + [2]).prefix_source == rids[0]
+            d.free("hit")
+    assert list(m.retained()) == [rids[0], rids[2]]  # rids[1] was the least recently used
+    assert d.storage.tokens_of(m, rids[1]) == [] and m.stats().num_cached == 2
+    # A longer prefix that starts with a retained one replaces it.
+    d.allocate("long", [10] * 8 + [3])
+    m.mark_computed("long")
+    ev = d.free("long")
+    assert [op.seq_id for op in ev.dropped] == [rids[0]]
+    assert list(m.retained()) == [rids[2], ev.retained_as] and len(m.retained()[ev.retained_as]) == 2
+
+
 def test_prefix_caching_disabled_and_errors():
     m = PagedKVManager(8, BS, enable_prefix_caching=False)
     m.allocate("a", P + [1])
@@ -336,6 +413,13 @@ def check_invariants(d: Driver):
             holders[b] += 1
         assert d.storage.tokens_of(m, s) == list(tokens), f"sequence {s} reads wrong KV"
     assert refs(m) == holders
+    retained_blocks = {b for t in m.retained().values() for b in t}
+    if m.per_sequence_storage:
+        for rid, table in m.retained().items():  # a retained prefix holds what its blocks' hashes say
+            want = [t for b in table for t in d.hash.seen[pool.block_hash(b)][1]]
+            assert d.storage.tokens_of(m, rid) == want, f"{rid} holds wrong KV"
+        # The manager's count is the storage's real memory: cells never outnumber its used + cached slots.
+        assert len(d.storage.cells) <= (m.stats().num_used + m.stats().num_cached) * BS
     free = pool.free_block_ids()
     assert len(set(free)) == len(free) and set(free) == {b for b in range(m.num_blocks) if holders[b] == 0}
     s = m.stats()
@@ -344,19 +428,20 @@ def check_invariants(d: Driver):
     for h, b in pool.cached_items():
         assert pool.block_hash(b) == h
         if m.per_sequence_storage:
-            assert holders[b] > 0
+            assert holders[b] > 0 or b in retained_blocks, f"cached block {b} is held by no one"
         else:
             assert d.storage.data[b] == list(d.hash.seen[h][1]), f"block {b} does not hold what its hash says"
 
 
 @hash_fns
-@pytest.mark.parametrize("per_sequence_storage", [False, True], ids=["tensor_pool", "llama_seqs"])
-def test_random_ops_keep_invariants(hash_fn, per_sequence_storage):
+@pytest.mark.parametrize("per_sequence_storage,retain", [(False, 0), (True, 0), (True, 3)],
+                         ids=["tensor_pool", "llama_seqs", "llama_retained"])
+def test_random_ops_keep_invariants(hash_fn, per_sequence_storage, retain):
     rng = random.Random(1234)
-    d = Driver(16, hash_fn, per_sequence_storage=per_sequence_storage)
+    d = Driver(16, hash_fn, per_sequence_storage=per_sequence_storage, retain_prefixes=retain)
     m = d.m
     prefixes = [[rng.randrange(4) for _ in range(12)] for _ in range(3)]
-    next_id, counts = 0, dict.fromkeys(["hit", "noroom", "cow", "evict"], 0)
+    next_id, counts = 0, dict.fromkeys(["hit", "noroom", "cow", "evict", "retained_hit"], 0)
     for _ in range(2500):
         seqs = list(m.seq_ids())
         op = rng.choices(["alloc", "append", "compute", "fork", "truncate", "free"], [3, 5, 4, 1, 2, 2])[0]
@@ -366,6 +451,7 @@ def test_random_ops_keep_invariants(hash_fn, per_sequence_storage):
             plan = d.allocate(next_id, prompt)
             next_id += 1
             counts["hit"] += bool(plan and plan.num_cached_tokens)
+            counts["retained_hit"] += bool(plan and isinstance(plan.prefix_source, RetainedPrefix))
         elif op == "append":
             plan = d.append(s := rng.choice(seqs), [rng.randrange(4) for _ in range(rng.randrange(1, 6))])
             counts["cow"] += bool(plan and plan.copy_ops)
@@ -398,4 +484,6 @@ def test_random_ops_keep_invariants(hash_fn, per_sequence_storage):
     assert m.stats().num_used == 0 and refs(m) == [0] * m.num_blocks
     # The run exercised every path it is meant to check.
     assert all(counts[k] > 20 for k in ("hit", "noroom", "cow")), counts
-    assert (counts["evict"] > 20) != per_sequence_storage, counts
+    # A per-sequence storage evicts only what it retains.
+    assert (counts["evict"] > 20) == (not per_sequence_storage or retain > 0), counts
+    assert (counts["retained_hit"] > 20) == (retain > 0), counts

@@ -28,9 +28,10 @@ class PagedKVMachine(RuleBasedStateMachine):
         self.preempted: dict[int, list[int]] = {}  # seq id -> its tokens, to be recomputed on readmission
         self.counts = {"hit": 0, "cow": 0, "noroom": 0}
 
-    @initialize(num_blocks=st.integers(3, 16), per_sequence_storage=st.booleans())
-    def pool(self, num_blocks: int, per_sequence_storage: bool) -> None:
-        self.d = Driver(num_blocks, builtin_block_hash, per_sequence_storage=per_sequence_storage)
+    @initialize(num_blocks=st.integers(3, 16), per_sequence_storage=st.booleans(), retain=st.sampled_from([0, 1, 3]))
+    def pool(self, num_blocks: int, per_sequence_storage: bool, retain: int) -> None:
+        self.d = Driver(num_blocks, builtin_block_hash, per_sequence_storage=per_sequence_storage,
+                        retain_prefixes=retain)
         self.m = self.d.m
 
     # ------------------------------------------------------------------ helpers

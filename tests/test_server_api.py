@@ -290,9 +290,63 @@ def test_unified_kv_pool_shares_prefix_cells_and_frees_everything():
         assert finishes == ["length"] * 3
         assert engine.manager.stats().prefix_hits >= 32
         deadline = time.monotonic() + 10
-        while (engine.snapshot()["kv_used"] or engine.executor.storage.num_used_slots) and time.monotonic() < deadline:
+        while engine.snapshot()["kv_used"] and time.monotonic() < deadline:
             time.sleep(0.02)  # the storage follows the manager's frees on the engine's next pass
-        assert engine.snapshot()["kv_used"] == 0 and engine.executor.storage.num_used_slots == 0
+        # Every block is free; the finished prompts stay as retained prefixes, one llama seq id each.
+        assert engine.snapshot()["kv_used"] == 0
+        assert engine.executor.storage.num_used_slots == engine.manager.stats().num_retained >= 1
+    finally:
+        engine.stop()
+        engine.executor.close()
+
+
+def test_retained_prefixes_serve_later_requests_and_yield_their_cells():
+    """A finished request's prompt outlives it in llama.cpp's unified pool (vLLM's prefix cache); when
+    the manager needs those blocks it evicts them, and llama.cpp really has the room: a request that
+    needs the whole pool runs (a wrong count would make llama_decode fail)."""
+    engine, _ = build_engine(ServeOptions(MODEL, max_num_seqs=2, max_model_len=256, threads=1, kv_unified=True,
+                                          kv_cells=256, prefill_chunk=64, max_num_batched_tokens=64))
+    tok = engine.tokenizer
+    system = tok.encode("You are a helpful assistant who answers briefly and politely. " * 8)[:48]
+    assert len(system) == 48  # three whole blocks
+    done, outs = threading.Semaphore(0), {}
+
+    def ask(rid, prompt, max_tokens):
+        def sink(out):
+            outs.setdefault(rid, []).extend(d.finish_reason for d in out.deltas if d.finish_reason)
+            if out.finished:
+                done.release()
+        engine.submit(rid, prompt, GenerationParams(max_tokens=max_tokens, ignore_eos=True), sink)
+        assert done.acquire(timeout=120)
+        return outs[rid]
+
+    def settled():
+        deadline = time.monotonic() + 10
+        while engine.snapshot()["kv_used"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return engine.manager.stats()
+
+    engine.start()
+    try:
+        assert ask("a", system + tok.encode(" Name a color."), 8) == ["length"]
+        s = settled()
+        assert s.num_retained == 1 and s.num_cached >= 3 and s.num_used == 0
+        assert ask("b", system + tok.encode(" Name a fruit."), 8) == ["length"]  # after "a" ended
+        assert engine.manager.stats().prefix_hits - s.prefix_hits >= 48
+        s = settled()  # "b" computed no whole block beyond the shared one: its prefix is "a"'s, kept once
+        assert s.num_retained == 1 and s.num_cached == 3
+        assert ask("d", tok.encode(" A different opening, with nothing shared at all, about ships. " * 3), 8) == ["length"]
+        assert settled().num_retained == 2
+        old = engine.manager.retained()
+        assert sum(map(len, old.values())) >= 6
+
+        # 15 of the 16 blocks: the retained prefixes must yield, and llama.cpp must have their cells back.
+        long_prompt = tok.encode(" ".join(f"word{i}" for i in range(400)))[:200]
+        assert ask("c", long_prompt, 40) == ["length"]
+        s = settled()
+        now = engine.manager.retained()
+        assert sum(len(t) for r, t in now.items() if r in old) <= 1  # cut or dropped to make room
+        assert s.num_used == 0 and engine.executor.storage.num_used_slots == s.num_retained == len(now)
     finally:
         engine.stop()
         engine.executor.close()

@@ -33,7 +33,11 @@ from edgefinfer.app.entry_point import run_command
 @click.option("--kv-unified", is_flag=True,
               help="llama.cpp: one shared cell pool (prefixes stored once) instead of one stream per sequence; "
                    "not batch-invariant.")
-@click.option("--kv-cells", type=click.IntRange(16), default=None, help="Cells of the --kv-unified pool.")
+@click.option("--kv-cells", type=click.IntRange(16), default=None,
+              help="Cells of the --kv-unified pool (default: --max-num-seqs x --max-model-len).")
+@click.option("--retain-prefixes", type=click.IntRange(0), default=None,
+              help="With --kv-unified: finished requests' prompts kept in the pool for later prefix hits, until "
+                   "their blocks are needed (default 64; 0 = off).")
 @click.option("--preemption", type=click.Choice(["recompute", "swap"]), default="recompute", show_default=True,
               help="When KV blocks run out: recompute the victim later, or park its KV in host memory (llama.cpp "
                    "without --kv-unified; restores it exactly).")
@@ -59,7 +63,7 @@ from edgefinfer.app.entry_point import run_command
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 def serve(model: str, backend: str | None, host: str, port: int, max_num_seqs: int, max_model_len: int,
           max_num_batched_tokens: int, prefill_chunk: int, block_size: int, no_prefix_caching: bool,
-          kv_unified: bool, kv_cells: int | None, preemption: str, kv_dtype: str, flash_attn: bool, gpu_layers: int, device: str,
+          kv_unified: bool, kv_cells: int | None, retain_prefixes: int | None, preemption: str, kv_dtype: str, flash_attn: bool, gpu_layers: int, device: str,
           threads: int | None, speculative: str | None, fixed_k: bool, served_model_name: str | None,
           api_key: str | None, max_body_bytes: int, shutdown_grace_s: float, log_level: str) -> None:
     """Serve MODEL (a .gguf, a bundle, a HF folder, or a shipped model name) with an OpenAI-compatible API."""
@@ -72,6 +76,7 @@ def serve(model: str, backend: str | None, host: str, port: int, max_num_seqs: i
                         max_num_batched_tokens=max(max_num_batched_tokens, max_num_seqs),
                         prefill_chunk=prefill_chunk, block_size=block_size,
                         enable_prefix_caching=not no_prefix_caching, kv_unified=kv_unified, kv_cells=kv_cells,
+                        retain_prefixes=retain_prefixes,
                         flash_attn=flash_attn, kv_dtype=kv_dtype, threads=threads, gpu_layers=gpu_layers,
                         device=device, speculative=speculative, adaptive_speculation=not fixed_k,
                         served_model_name=served_model_name, preemption=preemption)

@@ -117,6 +117,8 @@ class LlamaContext:
         p.n_ctx = total_cells if total_cells is not None else num_slots * cells_per_slot
         p.n_batch = p.n_ubatch = max_tokens
         p.n_seq_max = num_slots
+        # llama.cpp reserves logits for at least one output per sequence id and asserts that fits.
+        p.n_outputs_max = max(max_tokens, num_slots)
         p.kv_unified = unified
         p.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
         p.type_k = p.type_v = KV_TYPES[kv_dtype]

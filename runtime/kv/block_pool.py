@@ -185,6 +185,17 @@ class BlockPool:
         self._hash_to_block[block_hash] = block_id
         return True
 
+    def forget(self, block_id: int) -> None:
+        """A cached block's contents are gone (its storage dropped them): unhash it and move it to the
+        head of the free queue, where an empty block belongs."""
+        assert self._ref_counts[block_id] == 0 and self._hashes[block_id] is not None, \
+            f"block {block_id} is not cached"
+        block_hash = self._hashes[block_id]
+        del self._hash_to_block[block_hash]
+        self._hashes[block_id] = None
+        self._num_cached -= 1
+        self._free.move_to_end(block_id, last=False)
+
     def unregister(self, block_id: int) -> None:
         """Drop the hash entry of a block that is in use or was just taken (its contents change)."""
         block_hash = self._hashes[block_id]

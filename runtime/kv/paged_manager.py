@@ -34,6 +34,15 @@ Rules, each with its reason:
   here raises for lack of memory.
 - Freed blocks are released tail first, so the end of a sequence is evicted before its prefix
   (prefixes are what other prompts share).
+- With a per-sequence storage, a prefix outlives its request only as a *retained prefix*
+  (`retain_prefixes` > 0): a freed sequence's leading cached blocks stay in storage under a
+  `RetainedPrefix` id (the storage keeps that many tokens of it, `FreeEvent.retained_as`), until
+  the pool evicts one of their blocks (the retained prefix is cut there, `SlotPlan.retained_ops`)
+  or more than `retain_prefixes` of them exist (the least recently used goes). A retained prefix
+  that another one starts with is dropped at once. So every cached block is held by a retained
+  prefix and every block of a retained prefix is cached or in use: the manager's free count stays
+  the storage's real free memory, which is what lets llama.cpp's unified cell pool be sized and
+  admitted by the manager alone.
 
 Calling a method with an unknown or duplicate sequence id, or out-of-range lengths, is a bug in the
 caller and raises ValueError.
@@ -41,6 +50,8 @@ caller and raises ValueError.
 
 from __future__ import annotations
 
+import itertools
+from collections import Counter, OrderedDict
 from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -52,6 +63,16 @@ if TYPE_CHECKING:
     from edgefinfer.runtime.kv.storage import KVStorage
 
 SeqId = Hashable
+
+
+@dataclass(frozen=True, slots=True)
+class RetainedPrefix:
+    """The storage id of a freed sequence's kept prefix (never a live sequence's id)."""
+
+    number: int
+
+    def __repr__(self) -> str:
+        return f"retained#{self.number}"
 
 
 # ------------------------------------------------------------------------------------------ results
@@ -72,10 +93,12 @@ class SlotPlan:
     start_pos:       position of the first new token (the tokens before it are in storage or planned)
     slot_mapping:    [num_new_tokens] flat slot of each new token: block_id * block_size + offset
     num_cached_tokens / cached_block_ids: the prefix reused from the cache (allocate only)
-    prefix_source:   with `per_sequence_storage`, a live sequence whose storage holds that prefix
+    prefix_source:   with `per_sequence_storage`, a live sequence (or a `RetainedPrefix`) whose
+                     storage holds that prefix
     new_block_ids:   blocks taken from the pool by this call (copy-on-write targets included)
     evicted_block_ids: those of the new blocks whose cached contents were evicted to make room
     copy_ops:        copy-on-write copies to run before the forward that writes slot_mapping
+    retained_ops:    retained prefixes cut or dropped because their blocks were evicted (first)
     """
 
     seq_id: SeqId
@@ -88,6 +111,7 @@ class SlotPlan:
     new_block_ids: tuple[int, ...] = ()
     evicted_block_ids: tuple[int, ...] = ()
     copy_ops: tuple[CopyOp, ...] = ()
+    retained_ops: tuple[TruncateEvent | FreeEvent, ...] = ()
 
     @property
     def num_new_tokens(self) -> int:
@@ -95,6 +119,8 @@ class SlotPlan:
 
     def apply_to(self, storage: KVStorage) -> None:
         """Make the storage ready for the forward that writes `slot_mapping`."""
+        for op in self.retained_ops:
+            op.apply_to(storage)
         if self.cached_block_ids:
             storage.share_prefix(self.seq_id, self.prefix_source, self.cached_block_ids, self.num_cached_tokens)
         if self.copy_ops:
@@ -145,14 +171,27 @@ class TruncateEvent:
 
 @dataclass(frozen=True, slots=True)
 class FreeEvent:
-    """`seq_id` is gone; `block_ids` was its table, `cached_block_ids` stayed in the prefix cache."""
+    """`seq_id` is gone; `block_ids` was its table, `cached_block_ids` stayed in the prefix cache.
+
+    With retained prefixes: `dropped` are retained prefixes this made redundant or pushed out (the
+    storage drops them first), and `retained_as`, when set, keeps the first `retained_tokens`
+    tokens of `seq_id` in storage under that id.
+    """
 
     seq_id: SeqId
     block_ids: tuple[int, ...]
     cached_block_ids: tuple[int, ...]
+    retained_as: RetainedPrefix | None = None
+    retained_tokens: int = 0
+    dropped: tuple[FreeEvent, ...] = ()
 
     def apply_to(self, storage: KVStorage) -> None:
-        storage.release(self.seq_id)
+        if self.retained_as is not None:
+            storage.retain(self.seq_id, self.retained_as, self.retained_tokens)
+        else:
+            storage.release(self.seq_id)
+        for op in self.dropped:  # after: a dropped prefix's cells may be the ones just retained
+            op.apply_to(storage)
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,6 +205,7 @@ class KVStats:
     num_cached: int
     prefix_queries: int  # prompt tokens looked up
     prefix_hits: int  # of those, tokens served from the cache
+    num_retained: int = 0  # retained prefixes (per-sequence storage only)
 
     @property
     def hit_rate(self) -> float:
@@ -195,18 +235,28 @@ class PagedKVManager:
                            not kept in the cache, and a prefix hit must be copied from a live
                            sequence that has computed it all (`SlotPlan.prefix_source`); see storage.py.
     hash_fn:               the chained block hash; `sha256_block_hash` or `builtin_block_hash`.
+    retain_prefixes:       with `per_sequence_storage`, how many freed sequences' cached prefixes
+                           the storage keeps (see the module doc); 0 keeps none.
     """
 
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
-                 per_sequence_storage: bool = False, hash_fn: BlockHashFn = sha256_block_hash):
+                 per_sequence_storage: bool = False, hash_fn: BlockHashFn = sha256_block_hash,
+                 retain_prefixes: int = 0):
         if block_size < 1:
             raise UserError(f"block_size must be at least 1 token, got {block_size}; 16 is a common choice")
+        if retain_prefixes < 0:
+            raise UserError(f"retain_prefixes must be >= 0, got {retain_prefixes}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.per_sequence_storage = per_sequence_storage
-        self.pool = BlockPool(num_blocks, cache_freed_blocks=not per_sequence_storage)
+        # A block-tensor pool keeps freed blocks' data anyway; retaining matters for per-sequence storage.
+        self.retain_prefixes = retain_prefixes if per_sequence_storage and enable_prefix_caching else 0
+        self.pool = BlockPool(num_blocks, cache_freed_blocks=not per_sequence_storage or self.retain_prefixes > 0)
         self._hash_fn = hash_fn
         self._seqs: dict[SeqId, _Seq] = {}
+        self._retained: OrderedDict[RetainedPrefix, list[int]] = OrderedDict()  # least recently used first
+        self._coverage: Counter[int] = Counter()  # block -> retained prefixes holding it
+        self._retained_ids = itertools.count()
         self._prefix_queries = 0
         self._prefix_hits = 0
 
@@ -235,7 +285,12 @@ class PagedKVManager:
 
     def stats(self) -> KVStats:
         p = self.pool
-        return KVStats(p.num_blocks, p.num_used, p.num_free, p.num_cached, self._prefix_queries, self._prefix_hits)
+        return KVStats(p.num_blocks, p.num_used, p.num_free, p.num_cached, self._prefix_queries, self._prefix_hits,
+                       len(self._retained))
+
+    def retained(self) -> dict[RetainedPrefix, tuple[int, ...]]:
+        """Each retained prefix's block table, least recently used first."""
+        return {rid: tuple(t) for rid, t in self._retained.items()}
 
     def can_allocate(self, num_tokens: int) -> bool:
         """Whether a new sequence of `num_tokens` tokens fits even with no prefix hit (hits never
@@ -265,7 +320,9 @@ class PagedKVManager:
             return NoRoom(needed, self.pool.num_free)
 
         self.pool.touch(hits)  # before take(): a hit block must not be evicted for this very sequence
-        new, evicted = self.pool.take(num_new)
+        if isinstance(source, RetainedPrefix):
+            self._retained.move_to_end(source)
+        new, evicted, retained_ops = self._take(num_new)
         num_cached = len(hits) * self.block_size
         seq = _Seq(tokens, hits + new, num_computed=num_cached, block_hashes=hashes)
         self._seqs[seq_id] = seq
@@ -273,7 +330,7 @@ class PagedKVManager:
             self._prefix_queries += len(tokens)
             self._prefix_hits += num_cached
         return SlotPlan(seq_id, tuple(seq.block_ids), num_cached, self._slots(seq, num_cached, len(tokens)),
-                        num_cached, tuple(hits), source, tuple(new), tuple(evicted))
+                        num_cached, tuple(hits), source, tuple(new), tuple(evicted), retained_ops=retained_ops)
 
     def append(self, seq_id: SeqId, token_ids: Sequence[int]) -> SlotPlan | NoRoom:
         """Plan slots for tokens that extend a sequence (a decode token, or it and draft tokens)."""
@@ -283,19 +340,20 @@ class PagedKVManager:
             return NoRoom(cost, self.pool.num_free)
 
         start = len(seq.token_ids)
-        new, evicted = self.pool.take(cost)
+        new, evicted, retained_ops = self._take(cost)
         copy_ops: tuple[CopyOp, ...] = ()
         if cow:
             src, dst = seq.block_ids[-1], new[0]
             copy_ops = (CopyOp(src, dst, start % self.block_size),)
             seq.block_ids[-1] = dst
-            self.pool.release([src])  # after take(), so src cannot come back as a new block
+            self._forget_unheld(self.pool.release([src]))  # after take(), so src cannot come back as a new block
             seq.block_ids.extend(new[1:])
         else:
             seq.block_ids.extend(new)
         seq.token_ids.extend(token_ids)
         return SlotPlan(seq_id, tuple(seq.block_ids), start, self._slots(seq, start, len(seq.token_ids)),
-                        new_block_ids=tuple(new), evicted_block_ids=tuple(evicted), copy_ops=copy_ops)
+                        new_block_ids=tuple(new), evicted_block_ids=tuple(evicted), copy_ops=copy_ops,
+                        retained_ops=retained_ops)
 
     def mark_computed(self, seq_id: SeqId, num_tokens: int | None = None) -> int:
         """Record that storage now holds the KV of the first `num_tokens` tokens (default: all) and
@@ -350,10 +408,11 @@ class PagedKVManager:
         dropped = seq.block_ids[keep:]
         del seq.block_ids[keep:], seq.token_ids[num_tokens:], seq.block_hashes[num_tokens // bs:]
         seq.num_computed = min(seq.num_computed, num_tokens)
-        cached = self.pool.release(dropped[::-1])
+        cached = self._forget_unheld(self.pool.release(dropped[::-1]))
         if num_tokens % bs:
             last = seq.block_ids[-1]
-            if self.pool.block_hash(last) is not None and self.pool.ref_count(last) == 1:
+            if (self.pool.block_hash(last) is not None and self.pool.ref_count(last) == 1
+                    and not self._coverage[last]):
                 self.pool.unregister(last)
         return TruncateEvent(seq_id, num_tokens, tuple(dropped[::-1]), tuple(cached))
 
@@ -362,9 +421,75 @@ class PagedKVManager:
         seq = self._get(seq_id)
         del self._seqs[seq_id]
         cached = self.pool.release(seq.block_ids[::-1])
-        return FreeEvent(seq_id, tuple(seq.block_ids), tuple(cached))
+        if not self.retain_prefixes:
+            return FreeEvent(seq_id, tuple(seq.block_ids), tuple(cached))
+        run = self._registered_run(seq)
+        retained_as, dropped = None, []
+        if run and not any(t[:len(run)] == run for t in self._retained.values()):
+            retained_as = RetainedPrefix(next(self._retained_ids))
+            self._retained[retained_as] = run
+            self._coverage.update(run)
+            # Prefixes the new one starts with are redundant; then the least recently used go.
+            dropped += [self._cut_retained(r, 0) for r, t in list(self._retained.items())
+                        if r != retained_as and run[:len(t)] == t]
+            while len(self._retained) > self.retain_prefixes:
+                dropped.append(self._cut_retained(next(iter(self._retained)), 0))
+        cached = self._forget_unheld(cached)
+        return FreeEvent(seq_id, tuple(seq.block_ids), tuple(cached), retained_as, len(run) * self.block_size,
+                         tuple(dropped))
 
     # ---------------------------------------------------------------- internals
+    def _take(self, n: int) -> tuple[list[int], list[int], tuple[TruncateEvent | FreeEvent, ...]]:
+        """`pool.take`, and cut every retained prefix at the first block that was evicted from it."""
+        new, evicted = self.pool.take(n)
+        ops: list[TruncateEvent | FreeEvent] = []
+        for b in evicted:
+            if not self._coverage[b]:
+                continue
+            for rid, table in list(self._retained.items()):
+                if b in table:
+                    ops.append(self._cut_retained(rid, table.index(b)))
+        return new, evicted, tuple(ops)
+
+    def _registered_run(self, seq: _Seq) -> list[int]:
+        """The leading blocks of `seq` that are the cache's own copy of their content: what a
+        retained prefix of it can keep (a block computed twice is indexed under its first copy)."""
+        run = []
+        for b, h in zip(seq.block_ids[:seq.num_computed // self.block_size], seq.block_hashes):
+            if self.pool.block_hash(b) != h:
+                break
+            run.append(b)
+        return run
+
+    def _cut_retained(self, rid: RetainedPrefix, keep: int) -> TruncateEvent | FreeEvent:
+        """Keep the first `keep` blocks of a retained prefix (0: drop it); its other blocks that no
+        one holds any more leave the cache."""
+        table = self._retained[rid]
+        gone = table[keep:]
+        del table[keep:]
+        for blk in gone:
+            self._coverage[blk] -= 1
+            if not self._coverage[blk]:
+                del self._coverage[blk]
+        self._forget_unheld(gone)
+        if keep == 0:
+            del self._retained[rid]
+            return FreeEvent(rid, tuple(gone), ())
+        return TruncateEvent(rid, keep * self.block_size, tuple(gone[::-1]), ())
+
+    def _forget_unheld(self, blocks: Sequence[int]) -> list[int]:
+        """Of `blocks`, unhash the cached ones that no retained prefix holds (per-sequence storage:
+        their data is gone); returns those that stay cached."""
+        kept = []
+        for b in blocks:
+            if self.pool.ref_count(b) or self.pool.block_hash(b) is None:
+                continue
+            if self._coverage[b] > 0 or not self.per_sequence_storage:
+                kept.append(b)
+            else:
+                self.pool.forget(b)
+        return kept
+
     def _get(self, seq_id: SeqId) -> _Seq:
         try:
             return self._seqs[seq_id]
@@ -393,10 +518,12 @@ class PagedKVManager:
         run's length in blocks. A sequence truncated into a shared block holds it only in part, so
         holding the block id is not enough."""
         best, best_n = None, 0
-        for sid, s in self._seqs.items():
-            limit = min(len(hits), s.num_computed // self.block_size)
+        holders = itertools.chain(((sid, s.block_ids, s.num_computed // self.block_size) for sid, s in self._seqs.items()),
+                                  ((rid, t, len(t)) for rid, t in reversed(self._retained.items())))
+        for sid, table, num_full in holders:
+            limit = min(len(hits), num_full)
             n = 0
-            while n < limit and s.block_ids[n] == hits[n]:
+            while n < limit and table[n] == hits[n]:
                 n += 1
             if n > best_n:
                 best, best_n = sid, n

@@ -56,6 +56,9 @@ class PagedTensorStorage:
     def release(self, seq_id: SeqId) -> None:
         pass
 
+    def retain(self, seq_id: SeqId, retained_id: SeqId, num_tokens: int) -> None:
+        pass  # never called: a block pool caches freed blocks itself (per_sequence_storage=False)
+
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
 

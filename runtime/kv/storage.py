@@ -30,10 +30,12 @@ the manager's blocks only do the accounting. Then:
     fork          llama_memory_seq_cp(mem, parent, child, -1, -1)
     truncate      llama_memory_seq_rm(mem, seq, num_tokens, -1)
     release       llama_memory_seq_rm(mem, seq, -1, -1), and the llama seq id returns to its pool
+    retain        the llama seq id now stands for a retained prefix; seq_rm(seq, num_tokens, -1)
 
 A llama cell lives only as long as a sequence tags it, so build the manager with
-`per_sequence_storage=True`: it then keeps no block cached once its last holder is gone, serves
-prefix hits only from a live sequence that has computed the whole prefix (`SlotPlan.prefix_source`),
+`per_sequence_storage=True`: it then keeps no block cached once its last holder is gone (unless a
+retained prefix, `retain_prefixes`, keeps its cells tagged), serves prefix hits only from a live
+sequence or retained prefix that holds the whole prefix (`SlotPlan.prefix_source`),
 and `fork` requires the parent's tokens computed, since `seq_cp` copies only existing cells.
 Sizing: give the manager `n_ctx // block_size` blocks. Its count is conservative (llama.cpp shares
 the cells of a copied partial block and packs tokens without block rounding), so the manager
@@ -80,4 +82,10 @@ class KVStorage(Protocol):
 
     def release(self, seq_id: SeqId) -> None:
         """`seq_id` is gone. Blocks the manager still caches must keep their contents."""
+        ...
+
+    def retain(self, seq_id: SeqId, retained_id: SeqId, num_tokens: int) -> None:
+        """`seq_id` is gone, but its first `num_tokens` tokens stay stored under `retained_id`
+        (a `RetainedPrefix`; per-sequence storages only). llama.cpp: the llama seq id moves to
+        `retained_id`, then seq_rm(seq, num_tokens, -1)."""
         ...
