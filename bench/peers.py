@@ -1,0 +1,93 @@
+"""The peers' own binaries, built once from the llama.cpp that the pinned llama-cpp-python vendors.
+
+    python bench/peers.py llama-server        # prints the binary's path, building it if needed
+
+llama-cpp-python's sdist carries llama.cpp's full source (vendor/llama.cpp); building `llama-server`
+from it with the same ggml flags as our wheel (the Makefile's CMAKE_ARGS) gives the peer the very
+kernels our server calls, so a serving comparison measures the servers, not two builds of ggml.
+The binary lives outside the repository, in ~/.cache/edgefinfer/peers/llama.cpp-<version>-<flags>/,
+and is reused. The first build takes about 6 minutes on 2 cores (download, configure, ~150 objects).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from importlib import metadata
+from pathlib import Path
+
+LLAMA_CPP_PYTHON = "0.3.36"  # pyproject.toml's pin
+# The Makefile's flags (portable: no -march=native), and no libcurl: the server loads local files only.
+GGML_FLAGS = ("-DGGML_NATIVE=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+              "-DLLAMA_BUILD_SERVER=ON", "-DBUILD_SHARED_LIBS=OFF")
+CACHE = Path(os.environ.get("EDGEFINFER_PEERS", Path.home() / ".cache" / "edgefinfer" / "peers"))
+
+
+def build_dir(extra_flags: tuple[str, ...] = ()) -> Path:
+    flags = GGML_FLAGS + extra_flags
+    tag = hashlib.sha256(" ".join(flags).encode()).hexdigest()[:8]
+    return CACHE / f"llama.cpp-{LLAMA_CPP_PYTHON}-{tag}"
+
+
+def _log(msg: str) -> None:
+    print(f"[peers] {msg}", file=sys.stderr, flush=True)
+
+
+def _sdist(work: Path) -> Path:
+    """The llama-cpp-python sdist's llama.cpp source folder (downloaded from the package index)."""
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+                    "-d", str(work), f"llama-cpp-python=={LLAMA_CPP_PYTHON}"], check=True)
+    archive = next(work.glob("llama_cpp_python-*.tar.gz"))
+    with tarfile.open(archive) as tar:
+        tar.extractall(work, filter="data")
+    return next(work.glob("llama_cpp_python-*/vendor/llama.cpp"))
+
+
+def llama_server(extra_flags: tuple[str, ...] = (), jobs: int | None = None) -> Path:
+    """Path of a `llama-server` binary built from the pinned sources; built on first use."""
+    out = build_dir(extra_flags)
+    binary = out / "llama-server"
+    if binary.is_file():
+        return binary
+    installed = metadata.version("llama-cpp-python") if _installed() else None
+    if installed not in (None, LLAMA_CPP_PYTHON):
+        _log(f"note: llama-cpp-python {installed} is installed, building the peer from {LLAMA_CPP_PYTHON}")
+    t0 = time.time()
+    with tempfile.TemporaryDirectory(prefix="llama-server-") as tmp:
+        work = Path(tmp)
+        _log(f"building llama-server from llama-cpp-python {LLAMA_CPP_PYTHON}'s vendored llama.cpp "
+             f"(about 6 minutes on 2 cores, once)")
+        src = _sdist(work)
+        build = work / "build"
+        subprocess.run(["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
+                        *GGML_FLAGS, *extra_flags], check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(["cmake", "--build", str(build), "--target", "llama-server", "-j",
+                        str(jobs or os.cpu_count() or 2)], check=True, stdout=subprocess.DEVNULL)
+        built = next(build.glob("bin/llama-server"))
+        out.mkdir(parents=True, exist_ok=True)
+        tmp_bin = out / "llama-server.tmp"
+        shutil.copy2(built, tmp_bin)
+        (out / "flags.txt").write_text(" ".join(GGML_FLAGS + extra_flags) + "\n")
+        os.replace(tmp_bin, binary)  # a half-copied binary never looks built
+    _log(f"built {binary} in {time.time() - t0:.0f} s")
+    return binary
+
+
+def _installed() -> bool:
+    try:
+        metadata.version("llama-cpp-python")
+        return True
+    except metadata.PackageNotFoundError:
+        return False
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["llama-server"]:
+        sys.exit("usage: python bench/peers.py llama-server")
+    print(llama_server())
