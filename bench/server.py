@@ -1,17 +1,35 @@
-"""Serving benchmark: edgefinfer's server vs llama-cpp-python's own server, same GGUF, same machine.
+"""Serving benchmark: edgefinfer's server vs llama.cpp's own `llama-server --parallel N` (and
+llama-cpp-python's `llama_cpp.server`), same GGUF, same client, same requests, same machine.
 
-    python bench/server.py            # the full run (about 10 minutes on 2 cores)
-    python bench/server.py --quick    # about a minute
+    python bench/server.py            # the full run (about 25 minutes on 2 cores)
+    python bench/server.py --quick    # about two minutes: one run each, fewer requests
 
-Each server runs in its own process with the same thread count and KV precision. A closed-loop load
-generator (C clients, each sending its next request when the previous one ends) measures, per
-concurrency C in 1, 4, 16, 32: aggregate output tokens/s (tokens of all completions / wall time of
-the level) and p50/p99 time to first token (first streamed text). Output tokens are counted by
-re-tokenizing each completion with the model's tokenizer, the same way for both servers.
-Speculative decoding (prompt lookup, adaptive k) is measured on our server at C = 1 and 16.
+Peers, each in its own process with the same thread count and KV precision (f16, llama-server's
+default):
+- `llama-server` built from the llama.cpp vendored in the pinned llama-cpp-python sdist, with our
+  wheel's ggml flags (bench/peers.py builds it once), `--parallel 16` slots of 2048 cells (its
+  per-slot layout), flash attention off like ours. For workload (b) also with `--cache-reuse 256`,
+  and with `cache_prompt: false` (no prompt cache at all).
+- `llama_cpp.server`, llama-cpp-python's server, which serves one request at a time: workload (a).
+- `edgefinfer`: `--kv-unified` (one cell pool governed by the paged-KV manager, retained prefixes)
+  and `per-slot` (one stream per sequence: batch-invariant, the old default).
 
-Writes bench/results/server.json ("rows": server, concurrency, tok_s, ttft_p50_s, ttft_p99_s,
-speculative, ...) and bench/results/server.png.
+Workloads (closed loop: C clients, each sending its next request when its previous one ends):
+- (a) `short`: 16 one-line prompts, 48 output tokens, at C = 1 and 16;
+- (b) `shared-system`: 16 concurrent chats whose prompts share a 512-token system prompt, each a
+  different question, 48 output tokens;
+- (c) `long-short`: half 1500-token prompts, half one-line prompts, 48 output tokens, C = 8.
+
+Per workload, concurrency and server: output tokens/s (tokens of all completions / wall time),
+TTFT p50/p99 (first streamed text) and inter-token latency p50 (per request: (last chunk - first
+chunk) / (tokens - 1)). Tokens are counted by re-tokenizing each completion with the model's
+tokenizer, the same way for every server; greedy with end-of-sequence banned, so every server writes
+exactly max_tokens tokens. Runs are interleaved (each repeat visits the servers in a rotated order);
+rows hold the median of `--repeats` (>= 3) runs, and the runs themselves.
+
+Also measured: `kv_capacity`, sequences admitted at one fixed KV memory budget.
+
+Writes bench/results/server.json and bench/results/server.png.
 """
 
 from __future__ import annotations
@@ -23,16 +41,18 @@ import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.common import RESULTS, machine, print_table, versions, result_stem, write_results  # noqa: E402
+from bench.common import RESULTS, machine, print_table, result_stem, versions, write_results  # noqa: E402
 
 PROMPTS = [
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -52,31 +72,75 @@ PROMPTS = [
     "Name the planets of the solar system in order from the sun.",
     "Write the alphabet in capital letters, separated by spaces.",
 ]
-
+SLOTS = 16  # llama-server --parallel, and our --max-num-seqs
+SLOT_CTX = 2048  # cells per sequence (llama-server: per slot)
 
 BANNED: tuple[int, ...] = ()  # end-of-sequence token ids, read from the GGUF in main()
 
 
+# ------------------------------------------------------------------------------------- workloads
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    prompts: tuple[str, ...]
+    levels: tuple[int, ...]
+    requests_per_client: int
+
+
+def text_of_tokens(tokenizer, seed_text: str, num_tokens: int) -> str:
+    """A prose prompt of exactly `num_tokens` tokens (by the model's tokenizer)."""
+    ids: list[int] = []
+    while len(ids) < num_tokens:
+        ids += tokenizer.encode(seed_text)
+    return tokenizer.decode(ids[:num_tokens])
+
+
+SYSTEM_SEED = ("You are a careful assistant for a public library. Answer in plain language, cite the section "
+               "of the library rules you rely on, never invent opening hours, and keep each answer short. ")
+LONG_SEED = ("The history of the lighthouse begins with fires lit on hills to guide ships home, and continues "
+             "through towers of stone, oil lamps, lenses and finally electric lights watched from far away. ")
+
+
+def workloads(tokenizer, quick: bool) -> list[Workload]:
+    system = text_of_tokens(tokenizer, SYSTEM_SEED, 512)
+    long = text_of_tokens(tokenizer, LONG_SEED, 1500)
+    per = 1 if quick else 2
+    return [
+        Workload("short", tuple(PROMPTS), (1, 16), per),
+        Workload("shared-system", tuple(f"{system}\nQuestion: {p}\nAnswer:" for p in PROMPTS), (16,), per),
+        Workload("long-short", tuple(f"{long}\n{p}" if i % 2 == 0 else p for i, p in enumerate(PROMPTS[:8])),
+                 (8,), per),
+    ]
+
+
+# ------------------------------------------------------------------------------------- servers
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
+@dataclass
 class ServerProcess:
-    def __init__(self, name: str, argv: list[str], port: int, model_id: str):
-        self.name, self.argv, self.port, self.model_id = name, argv, port, model_id
-        self.url = f"http://127.0.0.1:{port}"
-        self.proc: subprocess.Popen | None = None
+    name: str
+    config: str
+    argv: list[str]
+    port: int
+    env: dict[str, str] = field(default_factory=dict)
+    body: dict = field(default_factory=dict)  # extra request fields (llama-server's cache_prompt)
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
 
     def __enter__(self) -> "ServerProcess":
-        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-        self.proc = subprocess.Popen(self.argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(self.argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     env={**os.environ, **self.env}, start_new_session=True)
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited: {self.proc.stderr.read().decode()[-2000:]}")
+                raise RuntimeError(f"{self.label} exited: {self.proc.stderr.read().decode()[-2000:]}")
             try:
                 if httpx.get(self.url + "/v1/models", timeout=2).status_code == 200:
                     return self
@@ -84,7 +148,7 @@ class ServerProcess:
                 pass
             time.sleep(0.5)
         self.__exit__()
-        raise RuntimeError(f"{self.name} did not start")
+        raise RuntimeError(f"{self.label} did not start")
 
     def __exit__(self, *exc: object) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -95,14 +159,20 @@ class ServerProcess:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
 
+    @property
+    def label(self) -> str:
+        return f"{self.name} [{self.config}]"
 
+
+# ------------------------------------------------------------------------------------- client
 async def one_request(client: httpx.AsyncClient, server: ServerProcess, prompt: str, max_tokens: int) -> dict:
     # Greedy, no repetition penalty (llama_cpp.server applies 1.1 by default) and end-of-sequence
-    # tokens banned: both servers then generate the very same tokens, max_tokens of them.
-    body = {"model": server.model_id, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "repeat_penalty": 1.0, "logit_bias": {str(t): -100 for t in BANNED}}
+    # tokens banned: every server then generates the very same tokens, max_tokens of them.
+    body = {"model": "model", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "repeat_penalty": 1.0, "logit_bias": {str(t): -100 for t in BANNED}, **server.body}
     t0 = time.perf_counter()
-    ttft, text = None, ""
+    first = last = None
+    text = ""
     async with client.stream("POST", server.url + "/v1/completions", json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
@@ -110,93 +180,162 @@ async def one_request(client: httpx.AsyncClient, server: ServerProcess, prompt: 
                 continue
             chunk = json.loads(line[6:])
             delta = "".join(c.get("text") or "" for c in chunk.get("choices", []))
-            if delta and ttft is None:
-                ttft = time.perf_counter() - t0
+            if delta:
+                last = time.perf_counter() - t0
+                first = last if first is None else first
             text += delta
-    return {"ttft": ttft if ttft is not None else time.perf_counter() - t0, "text": text,
-            "latency": time.perf_counter() - t0}
+    end = time.perf_counter() - t0
+    return {"ttft": first if first is not None else end, "last": last if last is not None else end, "text": text}
 
 
-async def run_level(server: ServerProcess, concurrency: int, num_requests: int, max_tokens: int) -> tuple[float, list]:
-    queue = list(range(num_requests))
+async def run_level(server: ServerProcess, prompts: list[str], concurrency: int, max_tokens: int) -> tuple[float, list]:
+    queue = list(prompts)
     results: list[dict] = []
 
     async def worker(client: httpx.AsyncClient) -> None:
         while queue:
-            i = queue.pop(0)
-            results.append(await one_request(client, server, PROMPTS[i % len(PROMPTS)], max_tokens))
+            results.append(await one_request(client, server, queue.pop(0), max_tokens))
 
-    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=concurrency + 4)) as client:
+    async with httpx.AsyncClient(timeout=900, limits=httpx.Limits(max_connections=concurrency + 4)) as client:
         t0 = time.perf_counter()
         await asyncio.gather(*[worker(client) for _ in range(concurrency)])
         return time.perf_counter() - t0, results
 
 
-def measure(server: ServerProcess, concurrency: int, num_requests: int, max_tokens: int, tokenizer,
-            speculative: bool) -> dict:
-    asyncio.run(run_level(server, 1, 1, 4))  # warm-up
-    wall, results = asyncio.run(run_level(server, concurrency, num_requests, max_tokens))
-    tokens = sum(len(tokenizer.encode(r["text"])) for r in results)
+def measure(server: ServerProcess, work: Workload, concurrency: int, max_tokens: int, tokenizer) -> dict:
+    n = max(2, concurrency * work.requests_per_client)
+    prompts = [work.prompts[i % len(work.prompts)] for i in range(n)]
+    wall, results = asyncio.run(run_level(server, prompts, concurrency, max_tokens))
+    counts = [len(tokenizer.encode(r["text"])) for r in results]
     ttft = np.array([r["ttft"] for r in results])
-    row = {"server": server.name, "concurrency": concurrency, "speculative": speculative,
-           "tok_s": round(tokens / wall, 2), "ttft_p50_s": round(float(np.percentile(ttft, 50)), 3),
-           "ttft_p99_s": round(float(np.percentile(ttft, 99)), 3), "requests": len(results),
-           "output_tokens": tokens, "wall_s": round(wall, 2)}
-    print(f"  {server.name:<16} C={concurrency:<3} spec={speculative!s:<5} {row['tok_s']:8.1f} tok/s  "
-          f"TTFT p50 {row['ttft_p50_s']:.2f}s p99 {row['ttft_p99_s']:.2f}s", flush=True)
-    return row
+    itl = [(r["last"] - r["ttft"]) / (c - 1) for r, c in zip(results, counts) if c > 1]
+    run = {"tok_s": round(sum(counts) / wall, 2), "ttft_p50_s": round(float(np.percentile(ttft, 50)), 3),
+           "ttft_p99_s": round(float(np.percentile(ttft, 99)), 3),
+           "itl_p50_s": round(float(np.median(itl)), 4) if itl else None,
+           "requests": len(results), "output_tokens": sum(counts), "wall_s": round(wall, 2)}
+    print(f"  {work.name:<13} C={concurrency:<3} {server.label:<32} {run['tok_s']:8.1f} tok/s  TTFT p50 "
+          f"{run['ttft_p50_s']:.3f}s p99 {run['ttft_p99_s']:.3f}s  ITL p50 {run['itl_p50_s']}", flush=True)
+    return run
 
 
-def spec_stats(server: ServerProcess) -> dict:
+def warm_up(server: ServerProcess, tokenizer) -> None:
+    asyncio.run(run_level(server, [PROMPTS[0]], 1, 4))
+
+
+def fresh_prefix(work: Workload, run_index: int) -> Workload:
+    """Each run of a workload gets prompts no earlier run has seen (a number up front), so that no
+    server answers a run from a cache filled by the one before it; within the run they share as designed."""
+    tag = f"Session {run_index}. "
+    return Workload(work.name, tuple(tag + p for p in work.prompts), work.levels, work.requests_per_client)
+
+
+def kv_stats(server: ServerProcess) -> dict:
     out = {}
     for line in httpx.get(server.url + "/metrics").text.splitlines():
-        for key in ("edgefinfer_spec_draft_tokens_total", "edgefinfer_spec_accepted_tokens_total"):
+        for key in ("edgefinfer_num_requests_running", "edgefinfer_prefix_cache_hit_rate",
+                    "edgefinfer_kv_retained_prefixes"):
             if line.startswith(key + " "):
                 out[key.removeprefix("edgefinfer_")] = float(line.split()[1])
     return out
 
 
+# ------------------------------------------------------------------------------------- kv capacity
+def kv_bytes_per_cell(gguf: Path, dtype_bytes: int = 2) -> int:
+    from edgefinfer.gguf_import import config_from_gguf, open_gguf
+
+    cfg = config_from_gguf(open_gguf(gguf))
+    head_dim = cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * dtype_bytes
+
+
+def kv_capacity(gguf: Path, threads: int, budget_mb: int, tokenizer, max_tokens: int) -> dict:
+    """Sequences running at once under one KV budget: ours (the unified pool, admission by the
+    manager) measured by flooding it with 64 short requests and polling /metrics; llama-server's
+    per-slot layout reserves SLOT_CTX cells per slot, so it holds budget / SLOT_CTX sequences."""
+    cells = budget_mb * 2**20 // kv_bytes_per_cell(gguf)
+    port = free_port()
+    server = ServerProcess("edgefinfer", "kv-unified", [sys.executable, "-m", "edgefinfer.app.serve_command", str(gguf),
+                           "--port", str(port), "--threads", str(threads), "--max-num-seqs", "64", "--max-model-len",
+                           str(SLOT_CTX), "--kv-unified", "--kv-cells", str(cells), "--kv-dtype", "f16", "--served-model-name", "model",
+                           "--log-level", "warning"], port, env={"OMP_NUM_THREADS": "1"})
+    peak = 0
+    with server:
+        async def flood() -> None:
+            nonlocal peak
+            task = asyncio.ensure_future(run_level(server, [PROMPTS[i % 16] for i in range(64)], 64, max_tokens))
+            async with httpx.AsyncClient() as c:
+                while not task.done():
+                    text = (await c.get(server.url + "/metrics")).text
+                    for line in text.splitlines():
+                        if line.startswith("edgefinfer_num_requests_running "):
+                            peak = max(peak, int(float(line.split()[1])))
+                    await asyncio.sleep(0.05)
+            await task
+        asyncio.run(flood())
+    return {"budget_mb": budget_mb, "cells": int(cells), "kv_dtype": "f16", "max_model_len": SLOT_CTX,
+            "edgefinfer_max_seqs": peak, "llama_server_max_seqs": int(cells // SLOT_CTX),
+            "request": f"{len(PROMPTS)} one-line prompts, {max_tokens} output tokens, 64 at once"}
+
+
+# ------------------------------------------------------------------------------------- plot
 def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for (name, spec), style in {("edgefinfer", False): "o-", ("llama_cpp.server", False): "s--",
-                                ("edgefinfer", True): "^:"}.items():
-        pts = sorted((r["concurrency"], r["tok_s"], r["ttft_p99_s"]) for r in rows
-                     if r["server"] == name and r["speculative"] == spec)
-        if not pts:
-            continue
-        label = name + (" + prompt lookup" if spec else "")
-        ax1.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label)
-        ax2.plot([p[0] for p in pts], [p[2] for p in pts], style, label=label)
-    ax1.set(xscale="log", xlabel="concurrent clients", ylabel="output tokens/s", title="Aggregate throughput")
-    ax2.set(xscale="log", yscale="log", xlabel="concurrent clients", ylabel="seconds", title="p99 time to first token")
-    levels = sorted({r["concurrency"] for r in rows})
-    for ax in (ax1, ax2):
-        ax.set_xticks(levels, labels=[str(c) for c in levels])
-        ax.grid(alpha=0.3)
-        ax.legend()
+    groups = list(dict.fromkeys((r["workload"], r["concurrency"]) for r in rows))
+    labels = list(dict.fromkeys(f"{r['server']} [{r['config']}]" for r in rows))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    width = 0.8 / max(1, len(labels))
+    for j, label in enumerate(labels):
+        tok, ttft = [], []
+        for g in groups:
+            row = next((r for r in rows if (r["workload"], r["concurrency"]) == g
+                        and f"{r['server']} [{r['config']}]" == label), None)
+            tok.append(row["tok_s"] if row else 0)
+            ttft.append(row["ttft_p50_s"] if row else 0)
+        xs = [i + j * width for i in range(len(groups))]
+        axes[0].bar(xs, tok, width, label=label)
+        axes[1].bar(xs, ttft, width, label=label)
+    for ax, title in zip(axes, ("output tokens/s (median)", "TTFT p50, s (median; log)")):
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))], [f"{w}\nC={c}" for w, c in groups])
+        ax.set_title(title)
+        ax.grid(alpha=0.3, axis="y")
+    axes[1].set_yscale("log")
+    axes[0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
+# ------------------------------------------------------------------------------------- main
+def median_row(key: tuple, runs: list[dict]) -> dict:
+    mine = [r for r in runs if (r["server"], r["config"], r["workload"], r["concurrency"]) == key]
+    med = {k: round(statistics.median(r[k] for r in mine), 4) for k in ("tok_s", "ttft_p50_s", "ttft_p99_s")}
+    itl = [r["itl_p50_s"] for r in mine if r["itl_p50_s"] is not None]
+    return {"server": key[0], "config": key[1], "workload": key[2], "concurrency": key[3], **med,
+            "itl_p50_s": round(statistics.median(itl), 4) if itl else None,
+            "tok_s_min": min(r["tok_s"] for r in mine), "tok_s_max": max(r["tok_s"] for r in mine),
+            "runs": len(mine), "requests": mine[0]["requests"]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="a run of about a minute")
+    ap.add_argument("--quick", action="store_true", help="one run of each, one request per client")
     ap.add_argument("--model", default=None, help="GGUF file (default: the shipped SmolLM2-135M Q4_1)")
-    ap.add_argument("--threads", type=int, default=int(os.environ.get("BENCH_THREADS", "1")),
-                    help="CPU threads for each server (1 keeps a shared 2-core box stable)")
-    ap.add_argument("--gpu-layers", type=int, default=0, help="offload layers (CUDA builds), both servers")
-    ap.add_argument("--levels", default="1,4,16,32")
-    ap.add_argument("--repeats", type=int, default=None, help="interleaved runs per level (default 2; 1 with --quick)")
+    ap.add_argument("--threads", type=int, default=int(os.environ.get("BENCH_THREADS", os.cpu_count() or 2)),
+                    help="CPU threads for every server (default: all cores)")
+    ap.add_argument("--gpu-layers", type=int, default=0, help="offload layers (CUDA builds), every server")
+    ap.add_argument("--repeats", type=int, default=None, help="interleaved runs per row (default 3; 1 with --quick)")
     ap.add_argument("--max-tokens", type=int, default=None, help="tokens per completion (default 48, 16 quick)")
-    ap.add_argument("--no-compare", action="store_true", help="skip llama-cpp-python's server")
+    ap.add_argument("--workloads", default="short,shared-system,long-short")
+    ap.add_argument("--no-llama-cpp-python", action="store_true", help="skip llama_cpp.server")
+    ap.add_argument("--kv-budget-mb", type=int, default=96, help="KV memory of the capacity measurement")
+    ap.add_argument("--llama-server", default=None, help="a llama-server binary (default: bench/peers.py builds one)")
     ap.add_argument("--out", default="server")
     args = ap.parse_args()
 
+    from bench.peers import llama_server
     from edgefinfer import reference
     from edgefinfer.gguf_import import config_from_gguf, open_gguf, tokenizer_from_gguf
 
@@ -206,75 +345,109 @@ def main() -> None:
     tokenizer = tokenizer_from_gguf(meta)
     ends = [tokenizer.eos_id, tokenizer.token_id("<|endoftext|>"), *config_from_gguf(meta).eos_token_ids]
     BANNED = tuple(sorted({t for t in ends if t is not None}))
-    levels = [int(x) for x in args.levels.split(",")]
-    args.repeats = args.repeats or (1 if args.quick else 2)
+    args.repeats = args.repeats or (1 if args.quick else 3)
     max_tokens = args.max_tokens or (16 if args.quick else 48)
-    # Requests per level: ours gets 2 per client (1 with --quick); llama_cpp.server serves one request
-    # at a time, so above C=4 it gets one per client to keep the run short (its TTFT still queues C deep).
-    per_level = {c: max(2, c) if args.quick else max(4, 2 * c) for c in levels}
-    theirs_per_level = {c: max(2, c) if args.quick else (max(4, 2 * c) if c <= 4 else c) for c in levels}
-    py = sys.executable
-    common = ["--threads", str(args.threads), "--max-num-seqs", str(max(32, *levels)), "--max-model-len",
-              str(max(512, 2 * max_tokens + 64)), "--log-level", "warning", "--gpu-layers", str(args.gpu_layers)]
+    binary = Path(args.llama_server) if args.llama_server else llama_server()
+    th, py = str(args.threads), sys.executable
+    # torch is imported by our server; one OpenMP thread keeps it from busy-waiting beside llama.cpp's
+    # own threads (llama.cpp's thread count is set explicitly and is not affected).
+    ours_env = {"OMP_NUM_THREADS": "1"}
 
-    def ours(spec: bool) -> ServerProcess:
+    def ours(config: str) -> ServerProcess:
         port = free_port()
-        argv = [py, "-m", "edgefinfer.app.serve_command", str(gguf), "--port", str(port), *common,
-                "--served-model-name", "model"]
-        if spec:
-            argv += ["--speculative", "lookup:3,4"]
-        return ServerProcess("edgefinfer", argv, port, "model")
+        argv = [py, "-m", "edgefinfer.app.serve_command", str(gguf), "--port", str(port), "--threads", th,
+                "--max-num-seqs", str(SLOTS), "--max-model-len", str(SLOT_CTX), "--kv-dtype", "f16",
+                "--log-level", "warning", "--gpu-layers", str(args.gpu_layers), "--served-model-name", "model"]
+        if config == "kv-unified":
+            argv.append("--kv-unified")
+        return ServerProcess("edgefinfer", config, argv, port, env=ours_env)
 
-    def theirs() -> ServerProcess:
+    def peer(config: str) -> ServerProcess:
+        port = free_port()
+        argv = [str(binary), "-m", str(gguf), "--port", str(port), "--host", "127.0.0.1", "-t", th, "-tb", th,
+                "--parallel", str(SLOTS), "-c", str(SLOTS * SLOT_CTX), "-ctk", "f16", "-ctv", "f16", "-fa", "off",
+                "--no-webui", "--log-disable", "-a", "model", "-ngl", str(args.gpu_layers)]
+        body = {}
+        if config == "cache-reuse":
+            argv += ["--cache-reuse", "256"]
+        if config == "no-prompt-cache":
+            body = {"cache_prompt": False}
+        return ServerProcess("llama-server", config, argv, port, body=body)
+
+    def llama_cpp_python() -> ServerProcess:
         port = free_port()
         argv = [py, "-m", "llama_cpp.server", "--model", str(gguf), "--port", str(port), "--host", "127.0.0.1",
-                "--n_threads", str(args.threads), "--n_threads_batch", str(args.threads), "--n_ctx", "2048",
-                "--type_k", "0", "--type_v", "0", "--verbose", "False", "--model_alias", "model",
-                "--interrupt_requests", "False",
-                "--n_gpu_layers", str(args.gpu_layers)]
-        return ServerProcess("llama_cpp.server", argv, port, "model")
+                "--n_threads", th, "--n_threads_batch", th, "--n_ctx", str(SLOT_CTX), "--verbose", "False",
+                "--model_alias", "model", "--interrupt_requests", "False", "--n_gpu_layers", str(args.gpu_layers)]
+        return ServerProcess("llama_cpp.server", "default", argv, port)
 
-    # The servers stay up; each level runs them back to back, `--repeats` times in alternating
-    # order, and keeps each one's best run: other jobs on a shared machine only ever slow a run down,
-    # so the best of interleaved runs compares the servers under the same conditions.
+    wanted = args.workloads.split(",")
+    plan = [w for w in workloads(tokenizer, args.quick) if w.name in wanted]
     runs: list[dict] = []
     t0 = time.time()
-    print(f"model {gguf.name}, threads {args.threads}, max_tokens {max_tokens}, repeats {args.repeats}")
+    print(f"model {gguf.name}, threads {args.threads}, max_tokens {max_tokens}, repeats {args.repeats}, "
+          f"llama-server {binary}", flush=True)
     with contextlib.ExitStack() as stack:
-        plain, spec = stack.enter_context(ours(False)), stack.enter_context(ours(True))
-        ref = None if args.no_compare else stack.enter_context(theirs())
-        for c in levels:
-            entries = [(plain, per_level[c], False)] + ([(ref, theirs_per_level[c], False)] if ref else [])
-            if c in (1, 16):
-                entries.insert(1, (spec, per_level[c], True))
-            for rep in range(args.repeats):
-                for server, n, is_spec in (entries if rep % 2 == 0 else entries[::-1]):
-                    runs.append({**measure(server, c, n, max_tokens, tokenizer, is_spec), "repeat": rep})
-        spec_info = spec_stats(spec)
-    rows = []
-    for key in dict.fromkeys((r["server"], r["concurrency"], r["speculative"]) for r in runs):
-        rows.append(max((r for r in runs if (r["server"], r["concurrency"], r["speculative"]) == key),
-                        key=lambda r: r["tok_s"]))
+        servers = {key: stack.enter_context(make()) for key, make in {
+            ("edgefinfer", "kv-unified"): lambda: ours("kv-unified"),
+            ("edgefinfer", "per-slot"): lambda: ours("per-slot"),
+            ("llama-server", "default"): lambda: peer("default"),
+            ("llama-server", "cache-reuse"): lambda: peer("cache-reuse"),
+            ("llama-server", "no-prompt-cache"): lambda: peer("no-prompt-cache"),
+            **({} if args.no_llama_cpp_python else {("llama_cpp.server", "default"): llama_cpp_python}),
+        }.items()}
+        for s in servers.values():
+            warm_up(s, tokenizer)
+        for work in plan:
+            entries = [k for k in servers if k[0] != "llama_cpp.server" or work.name == "short"]
+            if work.name != "shared-system":  # the prompt-cache variants matter where prompts share
+                entries = [k for k in entries if k[1] not in ("cache-reuse", "no-prompt-cache")]
+            for c in work.levels:
+                for rep in range(args.repeats):
+                    order = entries[rep % len(entries):] + entries[:rep % len(entries)]
+                    for key in order:
+                        server = servers[key]
+                        # Every server sees a fresh copy of the prompts: none is helped by the one before.
+                        fresh = fresh_prefix(work, len(runs))
+                        run = measure(server, fresh, c, max_tokens, tokenizer)
+                        runs.append({"server": key[0], "config": key[1], "workload": work.name, "concurrency": c,
+                                     "repeat": rep, **run})
+        cache = {k[1]: kv_stats(s) for k, s in servers.items() if k[0] == "edgefinfer"}
+    rows = [median_row(k, runs) for k in dict.fromkeys((r["server"], r["config"], r["workload"], r["concurrency"])
+                                                       for r in runs)]
+    print("measuring sequences admitted at a fixed KV budget", flush=True)
+    capacity = kv_capacity(gguf, args.threads, args.kv_budget_mb, tokenizer, max_tokens)
 
-    def row(name: str, c: int, speculative: bool = False) -> dict | None:
-        return next((r for r in rows if (r["server"], r["concurrency"], r["speculative"]) == (name, c, speculative)),
-                    None)
+    def row(server: str, config: str, workload: str, c: int) -> dict | None:
+        return next((r for r in rows if (r["server"], r["config"], r["workload"], r["concurrency"])
+                     == (server, config, workload, c)), None)
 
     summary = {}
-    a, b = row("edgefinfer", 16), row("llama_cpp.server", 16)
-    if a and b:
-        summary = {"tok_s_ratio_c16": round(a["tok_s"] / b["tok_s"], 2),
-                   "ttft_p99_ratio_c16": round(a["ttft_p99_s"] / b["ttft_p99_s"], 3),
-                   "goal": ">= 3x throughput at C=16 with equal or better p99 TTFT"}
-    payload = {"rows": rows, "all_runs": runs, "summary": summary, "speculative": spec_info, "machine": machine(),
-               "threads": args.threads, "model": gguf.name, "max_tokens": max_tokens, "quick": args.quick,
-               "kv_dtype": "f32 (both)", "versions": versions("llama-cpp-python", "fastapi", "uvicorn", "httpx"),
+    for config in ("kv-unified", "per-slot"):
+        for work, c in (("short", 1), ("short", 16), ("shared-system", 16), ("long-short", 8)):
+            a, b = row("edgefinfer", config, work, c), row("llama-server", "default", work, c)
+            if a and b:
+                summary[f"{config} {work} C={c}"] = {"tok_s_ratio": round(a["tok_s"] / b["tok_s"], 2),
+                                                     "ttft_p50_ratio": round(a["ttft_p50_s"] / b["ttft_p50_s"], 2),
+                                                     "ttft_p99_ratio": round(a["ttft_p99_s"] / b["ttft_p99_s"], 2)}
+    summary["kv_capacity_ratio"] = round(capacity["edgefinfer_max_seqs"] / max(1, capacity["llama_server_max_seqs"]), 2)
+    payload = {"rows": rows, "kv_capacity": capacity, "summary": summary, "edgefinfer_metrics": cache,
+               "all_runs": runs, "machine": machine(), "threads": args.threads, "model": gguf.name,
+               "max_tokens": max_tokens, "quick": args.quick, "repeats": args.repeats, "kv_dtype": "f16 (all)",
+               "llama_server": {"binary": str(binary), "slots": SLOTS, "slot_ctx": SLOT_CTX,
+                                "flags": (binary.parent / "flags.txt").read_text().strip()
+                                if (binary.parent / "flags.txt").is_file() else None},
+               "versions": versions("llama-cpp-python", "fastapi", "uvicorn", "httpx"),
                "elapsed_s": round(time.time() - t0, 1)}
     path = write_results(args.out, payload, quick=args.quick)
     png = RESULTS / f"{result_stem(args.out, args.quick)}.png"
     plot(rows, png)
-    print_table(rows, ["server", "concurrency", "speculative", "tok_s", "ttft_p50_s", "ttft_p99_s", "requests"])
-    print(f"summary {summary}\nwrote {path} and {png}")
+    print_table(rows, ["workload", "concurrency", "server", "config", "tok_s", "tok_s_min", "tok_s_max",
+                       "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "runs"])
+    print(f"kv_capacity {capacity}")
+    for k, v in summary.items():
+        print(f"  {k}: {v}")
+    print(f"wrote {path} and {png}")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,9 @@ Each step (`schedule` -> executor -> `update`):
 2. Sequences still prefilling get their next prompt chunk while the step's token budget lasts
    (chunked prefill: a long prompt takes several steps, and decoding goes on meanwhile).
 3. Waiting sequences are admitted strictly in arrival order (FCFS: the head blocks the rest) while
-   there are free sequence slots, token budget and KV blocks.
+   there are free sequence slots, token budget and KV blocks. A prompt whose leading whole blocks a
+   running sequence is still computing waits for them (`_prefix_in_flight`): sixteen chats that
+   arrive together with one system prompt compute it once, not sixteen times.
 
 Chunks are aligned: a prompt is split at multiples of `prefill_chunk` counted from position 0, and
 a chunk runs whole or waits. So how a sequence's tokens are grouped into forwards depends only on
@@ -246,6 +248,8 @@ class Scheduler:
         slots = 1 if request.forked else request.params.n
         if self._slots_in_use() + slots > self.config.max_num_seqs:
             return None
+        if self.manager.enable_prefix_caching and self._prefix_in_flight(seq):
+            return None
         if self.batch_invariant and min(self.config.prefill_chunk, len(seq.tokens)) > budget:
             return None  # its first chunk (at most this long) cannot run whole in this step
         plan = self.manager.allocate(seq.seq_id, seq.tokens)
@@ -277,6 +281,23 @@ class Scheduler:
             seq.proposer = self.speculation.make_proposer(seq.seq_id)
             seq.k_state = initial_state(self.speculation, self.cost.cost(len(self.running)), self.acceptance.rate)
         return seq
+
+    def _prefix_in_flight(self, seq: Seq) -> bool:
+        """Whether a running sequence is still computing whole blocks that `seq`'s prompt starts with
+        (beyond what is already computed): admitting `seq` now would compute them a second time."""
+        bs = self.manager.block_size
+        tokens = seq.tokens
+        for other in self.running:
+            if not self._prefilling(other) or other.num_computed >= len(tokens) - 1:
+                continue
+            # The blocks `seq` could take from `other` once computed: shared whole blocks, last token excluded.
+            limit = min(len(tokens) - 1, len(other.tokens)) // bs * bs
+            n = 0
+            while n < limit and tokens[n:n + bs] == other.tokens[n:n + bs]:
+                n += bs
+            if n > other.num_computed // bs * bs:
+                return True
+        return False
 
     def _aligned_start(self, seq: Seq, plan: SlotPlan, ops: list[KVOp]) -> int | None:
         """Where computing starts after a prefix hit; in batch-invariant mode cut back to what the lender

@@ -165,6 +165,19 @@ def test_prefix_cache_hit_and_parallel_sampling_fork(model, tokenizer):
         assert wait_idle(engine)["kv_used"] == 0
 
 
+def test_requests_arriving_together_compute_a_shared_prefix_once(model, tokenizer):
+    # Four prompts with one 24-token prefix (6 blocks), submitted at once: the first computes the prefix
+    # (three 8-token chunks), the others wait for it and reuse it; answers stay eager's.
+    engine = make_engine(model, tokenizer)
+    prefix = prompts_of([24], seed=9)[0]
+    prompts = [prefix + [10 + i, 20 + i] for i in range(4)]
+    with running(engine):
+        results = run(engine, prompts, GenerationParams(max_tokens=4))
+    assert [r[0] for r in results] == [eager(model, p, 4) for p in prompts]
+    computed = engine.metrics.counters[("prompt_tokens_total", ())]
+    assert computed == 24 + 4 * 2 and engine.manager.stats().prefix_hits == 3 * 24
+
+
 def test_speculative_prompt_lookup_is_lossless(model, tokenizer):
     spec = SpeculationConfig(lambda seq_id: PromptLookupProposer(max_ngram=3), k_max=4, adaptive=False)
     engine = make_engine(model, tokenizer, speculation=spec)
