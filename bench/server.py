@@ -11,8 +11,8 @@ default):
   per-slot layout), flash attention off like ours. For workload (b) also with `--cache-reuse 256`,
   and with `cache_prompt: false` (no prompt cache at all).
 - `llama_cpp.server`, llama-cpp-python's server, which serves one request at a time: workload (a).
-- `edgefinfer`: `--kv-unified` (one cell pool governed by the paged-KV manager, retained prefixes)
-  and `per-slot` (one stream per sequence: batch-invariant, the old default).
+- `edgefinfer`: `kv-unified` (the default `--kv-layout unified`: one cell pool governed by the
+  paged-KV manager, retained prefixes) and `per-slot` (one stream per sequence: batch-invariant).
 
 Workloads (closed loop: C clients, each sending its next request when its previous one ends):
 - (a) `short`: 16 one-line prompts, 48 output tokens, at C = 1 and 16;
@@ -104,12 +104,12 @@ LONG_SEED = ("The history of the lighthouse begins with fires lit on hills to gu
 def workloads(tokenizer, quick: bool) -> list[Workload]:
     system = text_of_tokens(tokenizer, SYSTEM_SEED, 512)
     long = text_of_tokens(tokenizer, LONG_SEED, 1500)
-    per = 1 if quick else 2
+    # One request per client where prompts are long (each run then costs up to a minute per server).
     return [
-        Workload("short", tuple(PROMPTS), (1, 16), per),
-        Workload("shared-system", tuple(f"{system}\nQuestion: {p}\nAnswer:" for p in PROMPTS), (16,), per),
+        Workload("short", tuple(PROMPTS), (1, 16), 1 if quick else 2),
+        Workload("shared-system", tuple(f"{system}\nQuestion: {p}\nAnswer:" for p in PROMPTS), (16,), 1),
         Workload("long-short", tuple(f"{long}\n{p}" if i % 2 == 0 else p for i, p in enumerate(PROMPTS[:8])),
-                 (8,), per),
+                 (8,), 1),
     ]
 
 
@@ -256,7 +256,7 @@ def kv_capacity(gguf: Path, threads: int, budget_mb: int, tokenizer, max_tokens:
     port = free_port()
     server = ServerProcess("edgefinfer", "kv-unified", [sys.executable, "-m", "edgefinfer.app.serve_command", str(gguf),
                            "--port", str(port), "--threads", str(threads), "--max-num-seqs", "64", "--max-model-len",
-                           str(SLOT_CTX), "--kv-unified", "--kv-cells", str(cells), "--kv-dtype", "f16", "--served-model-name", "model",
+                           str(SLOT_CTX), "--kv-layout", "unified", "--kv-cells", str(cells), "--kv-dtype", "f16", "--served-model-name", "model",
                            "--log-level", "warning"], port, env={"OMP_NUM_THREADS": "1"})
     peak = 0
     with server:
@@ -358,8 +358,7 @@ def main() -> None:
         argv = [py, "-m", "edgefinfer.app.serve_command", str(gguf), "--port", str(port), "--threads", th,
                 "--max-num-seqs", str(SLOTS), "--max-model-len", str(SLOT_CTX), "--kv-dtype", "f16",
                 "--log-level", "warning", "--gpu-layers", str(args.gpu_layers), "--served-model-name", "model"]
-        if config == "kv-unified":
-            argv.append("--kv-unified")
+        argv += ["--kv-layout", "unified" if config == "kv-unified" else "per-slot"]
         return ServerProcess("edgefinfer", config, argv, port, env=ours_env)
 
     def peer(config: str) -> ServerProcess:

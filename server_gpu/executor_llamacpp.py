@@ -133,15 +133,15 @@ class LlamaCppExecutor:
         self.model = LlamaModel(gguf_path, gpu_layers)
         max_model_len = min(max_model_len, self.model.n_ctx_train)
         if kv_cells is not None and not kv_unified:
-            raise UserError("--kv-cells sizes the shared pool of --kv-unified; without it each sequence gets "
+            raise UserError("--kv-cells sizes the unified pool; with --kv-layout per-slot each sequence gets "
                             "--max-model-len cells")
         # Retained prefixes need their own llama seq ids; in per-slot streams each would cost a whole stream.
         limit = self.model.lib.llama_max_parallel_sequences() - max_num_seqs
         if retain_prefixes is None:
             retain_prefixes = min(64, limit) if kv_unified else 0
         if retain_prefixes and not kv_unified:
-            raise UserError("retained prefixes need --kv-unified (in per-slot streams each would hold a whole "
-                            "--max-model-len stream)")
+            raise UserError("retained prefixes need --kv-layout unified (in per-slot streams each would hold a "
+                            "whole --max-model-len stream)")
         if retain_prefixes > max(limit, 0):
             raise UserError(f"llama.cpp holds {limit + max_num_seqs} sequences per context: --max-num-seqs "
                             f"{max_num_seqs} leaves room for {max(limit, 0)} retained prefixes, not {retain_prefixes}")

@@ -42,7 +42,7 @@ class ServeOptions:
     prefill_chunk: int = 256
     block_size: int = 16
     enable_prefix_caching: bool = True
-    kv_unified: bool = False
+    kv_unified: bool = True  # llama.cpp: one cell pool the manager governs; False: per-slot, batch-invariant
     kv_cells: int | None = None
     retain_prefixes: int | None = None  # None: 64 with kv_unified, else 0
     flash_attn: bool = False

@@ -92,8 +92,8 @@ class Scheduler:
                  stop_ids: tuple[int, ...], batch_invariant: bool = False,
                  speculation: SpeculationConfig | None = None, supports_swap: bool = False):
         if config.preemption == "swap" and not supports_swap:
-            raise UserError("this executor cannot swap sequences out (torch, or llama.cpp with --kv-unified); "
-                            "use --preemption recompute")
+            raise UserError("this executor cannot swap sequences out (torch, or llama.cpp's unified "
+                            "layout); use --preemption recompute, or --kv-layout per-slot")
         self.config = config
         self.manager = manager
         self.tokenizer = tokenizer

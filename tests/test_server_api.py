@@ -31,7 +31,8 @@ PROMPTS = [f"Write one sentence about the number {i}:" for i in range(10)] + [
 
 @pytest.fixture(scope="module")
 def server():
-    engine, name = build_engine(ServeOptions(MODEL, max_num_seqs=16, max_model_len=512, threads=1))
+    # The batch-invariant layout: these tests assert exact equality with the runtime and with requests alone.
+    engine, name = build_engine(ServeOptions(MODEL, max_num_seqs=16, max_model_len=512, threads=1, kv_unified=False))
     with BackgroundServer(create_app(engine, name)) as srv:
         srv.engine, srv.name = engine, name
         yield srv
@@ -199,7 +200,8 @@ def test_client_disconnect_aborts_and_frees_blocks(server):
 def test_prefix_sharing_between_live_sequences_is_exact():
     # A shares 32 prompt tokens (two 16-token chunks) with B while both run: B copies them from A's
     # KV stream (seq_cp of the stream, then seq_rm) and must still answer exactly as alone.
-    engine, _ = build_engine(ServeOptions(MODEL, max_num_seqs=4, max_model_len=256, threads=1, prefill_chunk=16,
+    engine, _ = build_engine(ServeOptions(MODEL, max_num_seqs=4, max_model_len=256, threads=1, kv_unified=False,
+                                          prefill_chunk=16,
                                           max_num_batched_tokens=64))
     tok = engine.tokenizer
     prefix = tok.encode("The history of the printing press is long and full of surprises. " * 3)[:40]
@@ -237,7 +239,8 @@ def test_prefix_sharing_between_live_sequences_is_exact():
 def test_swap_preemption_restores_sequences_exactly():
     # 8 blocks of 16 tokens hold two of these four sequences (3 blocks each): the scheduler must
     # preempt; swapped out and back (llama_state_seq_get/set_data), every answer stays exactly alone's.
-    engine, _ = build_engine(ServeOptions(MODEL, max_num_seqs=4, max_model_len=128, threads=1, kv_blocks=8,
+    engine, _ = build_engine(ServeOptions(MODEL, max_num_seqs=4, max_model_len=128, threads=1, kv_unified=False,
+                                          kv_blocks=8,
                                           preemption="swap"))
     prompts = [engine.tokenizer.encode(p) for p in PROMPTS[:4]]
     params = GenerationParams(max_tokens=30, ignore_eos=True)

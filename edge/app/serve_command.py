@@ -30,17 +30,18 @@ from edgefinfer.app.entry_point import run_command
               help="Prompt chunk size; chunks start at multiples of it.")
 @click.option("--block-size", default=16, show_default=True, type=click.IntRange(1), help="Paged-KV block size.")
 @click.option("--no-prefix-caching", is_flag=True, help="Do not reuse computed prompt prefixes.")
-@click.option("--kv-unified", is_flag=True,
-              help="llama.cpp: one shared cell pool (prefixes stored once) instead of one stream per sequence; "
-                   "not batch-invariant.")
+@click.option("--kv-layout", type=click.Choice(["unified", "per-slot"]), default="unified", show_default=True,
+              help="llama.cpp: 'unified' is one cell pool that the paged-KV manager governs (prefixes stored once, "
+                   "kept after their request, admission by real free memory); 'per-slot' reserves --max-model-len "
+                   "cells per sequence and makes batched results equal each request alone (batch-invariant).")
 @click.option("--kv-cells", type=click.IntRange(16), default=None,
-              help="Cells of the --kv-unified pool (default: --max-num-seqs x --max-model-len).")
+              help="Cells of the unified pool (default: --max-num-seqs x --max-model-len).")
 @click.option("--retain-prefixes", type=click.IntRange(0), default=None,
-              help="With --kv-unified: finished requests' prompts kept in the pool for later prefix hits, until "
+              help="Unified layout: finished requests' prompts kept in the pool for later prefix hits, until "
                    "their blocks are needed (default 64; 0 = off).")
 @click.option("--preemption", type=click.Choice(["recompute", "swap"]), default="recompute", show_default=True,
               help="When KV blocks run out: recompute the victim later, or park its KV in host memory (llama.cpp "
-                   "without --kv-unified; restores it exactly).")
+                   "with --kv-layout per-slot; restores it exactly).")
 @click.option("--kv-dtype", type=click.Choice(["f32", "f16"]), default="f32", show_default=True,
               help="KV cache precision (f32 matches `edgefinfer run` exactly).")
 @click.option("--flash-attn", is_flag=True, help="llama.cpp flash attention.")
@@ -63,7 +64,7 @@ from edgefinfer.app.entry_point import run_command
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 def serve(model: str, backend: str | None, host: str, port: int, max_num_seqs: int, max_model_len: int,
           max_num_batched_tokens: int, prefill_chunk: int, block_size: int, no_prefix_caching: bool,
-          kv_unified: bool, kv_cells: int | None, retain_prefixes: int | None, preemption: str, kv_dtype: str, flash_attn: bool, gpu_layers: int, device: str,
+          kv_layout: str, kv_cells: int | None, retain_prefixes: int | None, preemption: str, kv_dtype: str, flash_attn: bool, gpu_layers: int, device: str,
           threads: int | None, speculative: str | None, fixed_k: bool, served_model_name: str | None,
           api_key: str | None, max_body_bytes: int, shutdown_grace_s: float, log_level: str) -> None:
     """Serve MODEL (a .gguf, a bundle, a HF folder, or a shipped model name) with an OpenAI-compatible API."""
@@ -75,7 +76,7 @@ def serve(model: str, backend: str | None, host: str, port: int, max_num_seqs: i
     opts = ServeOptions(model=model, backend=backend, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                         max_num_batched_tokens=max(max_num_batched_tokens, max_num_seqs),
                         prefill_chunk=prefill_chunk, block_size=block_size,
-                        enable_prefix_caching=not no_prefix_caching, kv_unified=kv_unified, kv_cells=kv_cells,
+                        enable_prefix_caching=not no_prefix_caching, kv_unified=kv_layout == "unified", kv_cells=kv_cells,
                         retain_prefixes=retain_prefixes,
                         flash_attn=flash_attn, kv_dtype=kv_dtype, threads=threads, gpu_layers=gpu_layers,
                         device=device, speculative=speculative, adaptive_speculation=not fixed_k,
