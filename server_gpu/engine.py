@@ -45,7 +45,8 @@ class ServingEngine:
         self.manager = PagedKVManager(executor.num_blocks, executor.block_size,
                                       enable_prefix_caching=config.enable_prefix_caching,
                                       per_sequence_storage=executor.per_sequence_storage, hash_fn=sha256_block_hash,
-                                      retain_prefixes=executor.retain_prefixes)
+                                      retain_prefixes=executor.retain_prefixes,
+                                      retain_blocks=executor.retain_blocks)
         self.scheduler = Scheduler(config.scheduler, self.manager, tokenizer, stop_ids, executor.batch_invariant,
                                    speculation, supports_swap=executor.supports_swap)
         self.metrics = Metrics(self.snapshot)

@@ -129,7 +129,7 @@ class LlamaCppExecutor:
                  max_batch_tokens: int = 512, block_size: int = 16, kv_unified: bool = False,
                  kv_cells: int | None = None, flash_attn: bool = False, kv_dtype: str = "f32",
                  threads: int | None = None, gpu_layers: int = 0, num_blocks: int | None = None,
-                 retain_prefixes: int | None = None):
+                 retain_prefixes: int | None = None, retain_tokens: int | None = None):
         self.model = LlamaModel(gguf_path, gpu_layers)
         max_model_len = min(max_model_len, self.model.n_ctx_train)
         if kv_cells is not None and not kv_unified:
@@ -146,6 +146,9 @@ class LlamaCppExecutor:
             raise UserError(f"llama.cpp holds {limit + max_num_seqs} sequences per context: --max-num-seqs "
                             f"{max_num_seqs} leaves room for {max(limit, 0)} retained prefixes, not {retain_prefixes}")
         self.retain_prefixes = retain_prefixes
+        # Every cell of the unified pool is attended to (masked) by every token: retained cells cost
+        # compute, so they are capped too (None: only by the pool).
+        self.retain_blocks = None if retain_tokens is None else retain_tokens // block_size
         num_slots = max_num_seqs + retain_prefixes
         self.ctx = LlamaContext(self.model, num_slots, max_model_len, unified=kv_unified, flash_attn=flash_attn,
                                 kv_dtype=kv_dtype, threads=threads, max_tokens=max_batch_tokens,
@@ -164,7 +167,8 @@ class LlamaCppExecutor:
         # each); in a unified pool the manager's block sharing would also no longer match the cells.
         self.supports_swap = not kv_unified
         self.storage = LlamaSeqStorage(self.ctx, kv_unified, num_slots)
-        self.settings = {"kv_unified": kv_unified, "retain_prefixes": retain_prefixes, "flash_attn": flash_attn,
+        self.settings = {"kv_unified": kv_unified, "retain_prefixes": retain_prefixes, "retain_tokens": retain_tokens,
+                         "flash_attn": flash_attn,
                          "kv_dtype": kv_dtype,
                          "threads": self.ctx.threads, "n_ctx": self.ctx.n_ctx, "gpu_layers": gpu_layers}
 

@@ -42,9 +42,10 @@ class ServeOptions:
     prefill_chunk: int = 256
     block_size: int = 16
     enable_prefix_caching: bool = True
-    kv_unified: bool = True  # llama.cpp: one cell pool the manager governs; False: per-slot, batch-invariant
+    kv_unified: bool = False  # llama.cpp: per-slot streams (batch-invariant); True: one pool the manager governs
     kv_cells: int | None = None
     retain_prefixes: int | None = None  # None: 64 with kv_unified, else 0
+    retain_tokens: int | None = None  # cap on the retained prefixes' tokens (None: the pool)
     flash_attn: bool = False
     kv_dtype: str = "f32"
     threads: int | None = None
@@ -133,7 +134,8 @@ def _llamacpp(src: _Source, opts: ServeOptions) -> tuple[Executor, Tokenizer, tu
                                 max_batch_tokens=opts.max_num_batched_tokens, block_size=opts.block_size,
                                 kv_unified=opts.kv_unified, kv_cells=opts.kv_cells, flash_attn=opts.flash_attn,
                                 kv_dtype=opts.kv_dtype, threads=opts.threads, gpu_layers=opts.gpu_layers,
-                                num_blocks=opts.kv_blocks, retain_prefixes=opts.retain_prefixes)
+                                num_blocks=opts.kv_blocks, retain_prefixes=opts.retain_prefixes,
+                                retain_tokens=opts.retain_tokens)
     if tokenizer.vocab_size > executor.vocab_size:
         raise UserError(f"the tokenizer has {tokenizer.vocab_size} tokens but {src.path} only {executor.vocab_size}")
     if not tokenizer_matches(executor.model, tokenizer, _CHECK_TEXTS):

@@ -369,6 +369,28 @@ def test_retained_prefixes_are_capped_least_recently_used_first():
     assert list(m.retained()) == [rids[2], ev.retained_as] and len(m.retained()[ev.retained_as]) == 2
 
 
+def test_retained_blocks_are_capped():
+    d = Driver(16, builtin_block_hash, per_sequence_storage=True, retain_prefixes=8, retain_blocks=3)
+    m = d.m
+    d.allocate("a", [1] * 8 + [0])  # 2 blocks retained
+    m.mark_computed("a")
+    a = d.free("a").retained_as
+    d.allocate("b", [2] * 4 + [0])  # 1 more: 3 in all, still within the cap
+    m.mark_computed("b")
+    b = d.free("b").retained_as
+    assert list(m.retained()) == [a, b]
+    d.allocate("c", [3] * 4 + [0])  # a 4th block: the least recently used prefix goes
+    m.mark_computed("c")
+    ev = d.free("c")
+    assert [op.seq_id for op in ev.dropped] == [a] and list(m.retained()) == [b, ev.retained_as]
+    d.allocate("big", [4] * 16 + [0])  # 4 blocks alone: never kept, and it pushes nothing out for nothing
+    m.mark_computed("big")
+    big = d.free("big")
+    assert big.retained_as is None and big.dropped == () and list(m.retained()) == [b, ev.retained_as]
+    assert m.stats().num_cached == 2
+    check_invariants(d)
+
+
 def test_prefix_caching_disabled_and_errors():
     m = PagedKVManager(8, BS, enable_prefix_caching=False)
     m.allocate("a", P + [1])

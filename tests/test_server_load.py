@@ -22,7 +22,7 @@ NUM_REQUESTS, CONCURRENCY = 500, 32
 
 def test_500_requests_at_concurrency_32_with_disconnects():
     # Per-slot (batch-invariant) layout: every answer must equal the prompt's answer alone. In the
-    # unified default, 14 of 450 three-token greedy answers differed from alone's in one run.
+    # unified layout, 14 of 450 three-token greedy answers differed from alone's in one run.
     engine, name = build_engine(ServeOptions("smollm2-135m", max_num_seqs=CONCURRENCY, max_model_len=256,
                                              threads=1, kv_unified=False))
     with BackgroundServer(create_app(engine, name)) as srv:
@@ -33,3 +33,16 @@ def test_500_requests_at_concurrency_32_with_disconnects():
         assert r["kv_used_after"] == 0 and r["kv_free_after"] == r["kv_total"]
         assert engine.executor.storage.num_used_slots == 0  # every llama sequence was removed too
         print(f"\n{NUM_REQUESTS} requests in {r['seconds']:.1f}s")
+
+
+def test_unified_pool_under_load_frees_everything_but_its_retained_prefixes():
+    # The unified layout (not batch-invariant: answers are checked for completion, not equality) in a
+    # 1024-cell pool: disconnects free their blocks, every request ends once, the pool ends free.
+    engine, name = build_engine(ServeOptions("smollm2-135m", max_num_seqs=16, max_model_len=256, threads=1,
+                                             kv_unified=True, kv_cells=1024))
+    with BackgroundServer(create_app(engine, name)) as srv:
+        r = load_with_disconnects(srv.url, name, 120, 16, exact=False)
+        assert r["lost"] == 0, r["lost_examples"]
+        assert (r["completed"], r["dropped"], r["ended_once"]) == (108, 12, 120)
+        assert r["kv_used_after"] == 0 and r["kv_free_after"] == r["kv_total"] == 64
+        assert engine.executor.storage.num_used_slots == engine.manager.stats().num_retained

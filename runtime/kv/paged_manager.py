@@ -38,7 +38,8 @@ Rules, each with its reason:
   (`retain_prefixes` > 0): a freed sequence's leading cached blocks stay in storage under a
   `RetainedPrefix` id (the storage keeps that many tokens of it, `FreeEvent.retained_as`), until
   the pool evicts one of their blocks (the retained prefix is cut there, `SlotPlan.retained_ops`)
-  or more than `retain_prefixes` of them exist (the least recently used goes). A retained prefix
+  or more than `retain_prefixes` of them, or of `retain_blocks` blocks, exist (the least recently
+  used goes). A retained prefix
   that another one starts with is dropped at once. So every cached block is held by a retained
   prefix and every block of a retained prefix is cached or in use: the manager's free count stays
   the storage's real free memory, which is what lets llama.cpp's unified cell pool be sized and
@@ -237,15 +238,19 @@ class PagedKVManager:
     hash_fn:               the chained block hash; `sha256_block_hash` or `builtin_block_hash`.
     retain_prefixes:       with `per_sequence_storage`, how many freed sequences' cached prefixes
                            the storage keeps (see the module doc); 0 keeps none.
+    retain_blocks:         at most this many distinct blocks in retained prefixes (None: no limit
+                           but the pool). For storages whose reads cost grows with what they hold
+                           (llama.cpp's unified cache attends over every cell, masked).
     """
 
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
                  per_sequence_storage: bool = False, hash_fn: BlockHashFn = sha256_block_hash,
-                 retain_prefixes: int = 0):
+                 retain_prefixes: int = 0, retain_blocks: int | None = None):
         if block_size < 1:
             raise UserError(f"block_size must be at least 1 token, got {block_size}; 16 is a common choice")
-        if retain_prefixes < 0:
-            raise UserError(f"retain_prefixes must be >= 0, got {retain_prefixes}")
+        if retain_prefixes < 0 or (retain_blocks is not None and retain_blocks < 0):
+            raise UserError(f"retain_prefixes and retain_blocks must be >= 0, got {retain_prefixes} and {retain_blocks}")
+        self.retain_blocks = retain_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.per_sequence_storage = per_sequence_storage
@@ -425,6 +430,8 @@ class PagedKVManager:
             return FreeEvent(seq_id, tuple(seq.block_ids), tuple(cached))
         run = self._registered_run(seq)
         retained_as, dropped = None, []
+        if self.retain_blocks is not None and len(run) > self.retain_blocks:
+            run = []  # it alone is over the cap: keep it not, and push nothing out for it
         if run and not any(t[:len(run)] == run for t in self._retained.values()):
             retained_as = RetainedPrefix(next(self._retained_ids))
             self._retained[retained_as] = run
@@ -432,7 +439,8 @@ class PagedKVManager:
             # Prefixes the new one starts with are redundant; then the least recently used go.
             dropped += [self._cut_retained(r, 0) for r, t in list(self._retained.items())
                         if r != retained_as and run[:len(t)] == t]
-            while len(self._retained) > self.retain_prefixes:
+            while self._retained and (len(self._retained) > self.retain_prefixes or
+                                      (self.retain_blocks is not None and len(self._coverage) > self.retain_blocks)):
                 dropped.append(self._cut_retained(next(iter(self._retained)), 0))
         cached = self._forget_unheld(cached)
         return FreeEvent(seq_id, tuple(seq.block_ids), tuple(cached), retained_as, len(run) * self.block_size,
