@@ -1,6 +1,7 @@
 """The peers' own binaries, built once from the llama.cpp that the pinned llama-cpp-python vendors.
 
-    python bench/peers.py llama-server        # prints the binary's path, building it if needed
+    python bench/peers.py llama-server                  # prints the binary's path, building it if needed
+    python bench/peers.py llama-server -DGGML_CUDA=ON   # a CUDA build (bench/server_gpu.sh), cached apart
 
 llama-cpp-python's sdist carries llama.cpp's full source (vendor/llama.cpp); building `llama-server`
 from it with the same ggml flags as our wheel (the Makefile's CMAKE_ARGS) gives the peer the very
@@ -88,6 +89,7 @@ def _installed() -> bool:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] != ["llama-server"]:
-        sys.exit("usage: python bench/peers.py llama-server")
-    print(llama_server())
+    # python bench/peers.py llama-server [-DFLAG=VALUE ...]   extra CMake flags, e.g. -DGGML_CUDA=ON
+    if sys.argv[1:2] != ["llama-server"] or not all(a.startswith("-D") for a in sys.argv[2:]):
+        sys.exit("usage: python bench/peers.py llama-server [-DCMAKE_FLAG=VALUE ...]")
+    print(llama_server(tuple(sys.argv[2:])))

@@ -1,6 +1,6 @@
 """Runtime benchmark: our Engine on each backend vs the peers, reference model, batch 1, one run.
 
-    python bench/runtime.py [--quick] [--threads N]
+    python bench/runtime.py [--quick] [--threads N] [--only llamacpp,onnxruntime,...] [--out NAME]
 
 Engines (each measured in its own process, so resident memory is its own):
   ours:  the runtime's token loop (`edgefinfer.runtime.decode.generate_tokens`) over the torch (fp32),
@@ -9,8 +9,16 @@ Engines (each measured in its own process, so resident memory is its own):
   peers: llama-cpp-python's high-level API on the same GGUFs, onnxruntime-genai's generator on its own
          model-builder int4 of the same weights, and transformers' generate (fp32).
 Per engine: prefill and decode tokens/s, time to first token, peak resident memory, and for ours the
-share of decode time spent in Python outside the backend call. The roofline is weight bytes per token
-over the measured memory bandwidth (a large numpy copy). Writes bench/results/runtime.json and a plot.
+share of decode time spent in Python outside the backend call. The roofline is the measured read
+bandwidth (a read-only sum over 512 MiB with the benchmark's thread count: decode streams the weights
+in, it writes almost nothing) over the weight bytes per token. Writes bench/results/runtime.json and a plot.
+
+Threading, as each engine's own users set it: every engine gets `--threads` explicitly. Engines on
+torch (ours on torch, transformers) also run with OMP_NUM_THREADS=threads and OMP_WAIT_POLICY=PASSIVE,
+since busy-waiting OpenMP threads slow eager torch several times on a shared box. llama.cpp never
+does: PASSIVE puts its OpenMP workers to sleep between ops (at 2 threads llama-cpp-python decoded
+the Q8_0 GGUF at 86 tok/s without it and 29 with it), so the llama.cpp engines run with OpenMP's
+defaults. ExecuTorch and ONNX Runtime use their own thread pools and take `threads` directly.
 """
 
 from __future__ import annotations
@@ -153,8 +161,16 @@ def run_child(args: argparse.Namespace) -> None:
     print("RESULT " + json.dumps(out))
 
 
+def engine_env(kind: str, threads: int) -> dict[str, str]:
+    """The child's environment: OpenMP settings for torch only (see the module doc)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")}
+    if kind != "llamacpp":
+        env.update(OMP_NUM_THREADS=str(threads), OMP_WAIT_POLICY="PASSIVE")
+    return env
+
+
 def measure(child: str, kind: str, path: Path, prompt_file: Path, n: int, threads: int) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), OMP_WAIT_POLICY="PASSIVE")
+    env = engine_env(kind, threads)
     cmd = [sys.executable, str(HERE), "--child", child, "--kind", kind, "--path", str(path),
            "--prompt-file", str(prompt_file), "--n", str(n), "--threads", str(threads)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
@@ -166,26 +182,32 @@ def measure(child: str, kind: str, path: Path, prompt_file: Path, n: int, thread
 
 # ---- the run ------------------------------------------------------------------------------------------------
 
-def memory_bandwidth_gb_s() -> float:
-    """Sustained copy bandwidth: bytes read + written per second on a 256 MiB array (best of 5)."""
-    a = np.ones(256 * 2**20 // 8)
-    b = np.empty_like(a)
+def read_bandwidth_gb_s(threads: int) -> float:
+    """Sustained read bandwidth: bytes summed per second over a 512 MiB array split across `threads`
+    threads (numpy releases the GIL inside the sum), best of 5. A copy would count its writes too."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    a = np.ones(512 * 2**20 // 8)
+    parts = np.array_split(a, threads)
     best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        np.copyto(b, a)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * a.nbytes / best / 1e9
+    with ThreadPoolExecutor(threads) as pool:
+        for _ in range(5):
+            t0 = time.perf_counter()
+            list(pool.map(np.sum, parts))
+            best = min(best, time.perf_counter() - t0)
+    return a.nbytes / best / 1e9
 
 
-def build_artefacts(work: Path, folder: Path, quick: bool) -> dict[str, Path]:
+def build_artefacts(work: Path, folder: Path, quick: bool, only: set[str] | None = None) -> dict[str, Path]:
     from edgefinfer.app.build import BuildOptions, build
 
     arts = {}
-    for name, target, recipe in [("gguf-q8_0", "gpu-server", "int8-g32-emb8"),
-                                 ("gguf-q4_0", "gpu-server", "int4-g32-sym-emb8"),
-                                 ("onnx-int4", "linux-x86_64", "int4-g32"),
-                                 ("pte-8da4w", "android", "8da4w-g32-emb4")]:
+    for name, target, recipe, kind in [("gguf-q8_0", "gpu-server", "int8-g32-emb8", "llamacpp"),
+                                       ("gguf-q4_0", "gpu-server", "int4-g32-sym-emb8", "llamacpp"),
+                                       ("onnx-int4", "linux-x86_64", "int4-g32", "onnxruntime"),
+                                       ("pte-8da4w", "android", "8da4w-g32-emb4", "executorch")]:
+        if only is not None and kind not in only:
+            continue
         out = work / name
         if not (out / "manifest.json").is_file():
             print(f"[runtime] building {name} ...", file=sys.stderr, flush=True)
@@ -193,6 +215,8 @@ def build_artefacts(work: Path, folder: Path, quick: bool) -> dict[str, Path]:
                                max_seq_len=512))
         arts[name] = out
     genai = work / "genai-int4"
+    if only is not None and "onnxruntime" not in only:
+        return arts
     if not (genai / "genai_config.json").is_file():
         from onnx_vs_genai import build_genai
 
@@ -232,6 +256,9 @@ def main() -> None:
     ap.add_argument("--path", default="", help=argparse.SUPPRESS)
     ap.add_argument("--prompt-file", default="", help=argparse.SUPPRESS)
     ap.add_argument("--n", type=int, default=64, help=argparse.SUPPRESS)
+    ap.add_argument("--only", default=None, help="backends to run, comma-separated (torch, executorch, "
+                    "onnxruntime, llamacpp); the artefacts of the others are not built")
+    ap.add_argument("--out", default="runtime", help="results name (bench/results/NAME.json)")
     args = ap.parse_args()
     if args.child:
         run_child(args)
@@ -244,7 +271,8 @@ def main() -> None:
     folder = reference.pull("smollm2-135m")
     work = cache_dir() / "bench" / "runtime"
     work.mkdir(parents=True, exist_ok=True)
-    arts = build_artefacts(work, folder, args.quick)
+    only = set(args.only.split(",")) if args.only else None
+    arts = build_artefacts(work, folder, args.quick, only)
     prompt_len, n = (64, 16) if args.quick else (128, 64)
     prompt = Tokenizer.from_dir(folder).encode(load_text("test"))[:prompt_len]
     prompt_file = work / "prompt.json"
@@ -261,6 +289,7 @@ def main() -> None:
         ("onnxruntime-genai", "genai", "onnxruntime", arts["genai-int4"], "int4"),
         ("transformers", "transformers", "torch", folder, "fp32"),
     ]
+    plan = [p for p in plan if only is None or p[2] in only]
     rows = []
     for engine, child, kind, path, quant in plan:
         print(f"[runtime] {engine} {kind} {quant} ...", file=sys.stderr, flush=True)
@@ -272,20 +301,23 @@ def main() -> None:
         tokens = r.pop("tokens")
         rows.append({"engine": engine, "backend": kind, "quant": quant, **r, "first_tokens": tokens[:8]})
 
-    bandwidth = memory_bandwidth_gb_s()
+    bandwidth = read_bandwidth_gb_s(args.threads)
     weights = {q: sum(f.stat().st_size for f in arts[a].iterdir() if f.suffix in (".gguf", ".pte", ".onnx", ".data"))
-               for q, a in [("q4_0", "gguf-q4_0"), ("q8_0", "gguf-q8_0"), ("int4", "onnx-int4"), ("8da4w", "pte-8da4w")]}
+               for q, a in [("q4_0", "gguf-q4_0"), ("q8_0", "gguf-q8_0"), ("int4", "onnx-int4"), ("8da4w", "pte-8da4w")]
+               if a in arts}
     weights["fp32"] = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
     for r in rows:
         r["roofline_tok_s"] = bandwidth * 1e9 / weights[r["quant"]]
         r["of_roofline"] = r["decode_tok_s"] / r["roofline_tok_s"]
-    roofline = bandwidth * 1e9 / weights["q4_0"]
+    roofline = bandwidth * 1e9 / weights.get("q4_0", weights.get("int4", min(weights.values())))
     print_table(rows, ["engine", "backend", "quant", "decode_tok_s", "prefill_tok_s", "ttft_s", "rss_mb",
                        "python_overhead", "of_roofline"])
-    print(f"memory bandwidth {bandwidth:.1f} GB/s; int4 (Q4_0) roofline {roofline:.0f} tok/s")
-    plot(rows, roofline, RESULTS / f"{result_stem('runtime', args.quick)}.png")
-    path = write_results("runtime", quick=args.quick, payload={
-        "rows": rows, "roofline_tok_s": roofline, "memory_bandwidth_gb_s": bandwidth, "weight_bytes": weights,
+    print(f"read bandwidth {bandwidth:.1f} GB/s at {args.threads} thread(s); int4 roofline {roofline:.0f} tok/s")
+    plot(rows, roofline, RESULTS / f"{result_stem(args.out, args.quick)}.png")
+    path = write_results(args.out, quick=args.quick, payload={
+        "rows": rows, "roofline_tok_s": roofline, "read_bandwidth_gb_s": bandwidth, "weight_bytes": weights,
+        "threading": {kind: {k: v for k, v in engine_env(kind, args.threads).items() if k.startswith("OMP_")}
+                      for kind in ("torch", "executorch", "onnxruntime", "llamacpp")},
         "settings": {"quick": args.quick, "prompt_tokens": prompt_len, "decode_tokens": n, "batch": 1,
                      "greedy": True, "each_engine_in_its_own_process": True},
         "threads": args.threads, "machine": machine(),

@@ -320,6 +320,7 @@ def median_row(key: tuple, runs: list[dict]) -> dict:
 
 
 def main() -> None:
+    global BANNED, SLOTS
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="one run of each, one request per client")
     ap.add_argument("--model", default=None, help="GGUF file (default: the shipped SmolLM2-135M Q4_1)")
@@ -329,9 +330,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=None, help="interleaved runs per row (default 3; 1 with --quick)")
     ap.add_argument("--max-tokens", type=int, default=None, help="tokens per completion (default 48, 16 quick)")
     ap.add_argument("--workloads", default="short,shared-system,long-short")
+    ap.add_argument("--levels", default=None, help="concurrency levels of short and shared-system (default 1,16 and 16)")
+    ap.add_argument("--slots", type=int, default=SLOTS, help="llama-server --parallel and our --max-num-seqs")
     ap.add_argument("--no-llama-cpp-python", action="store_true", help="skip llama_cpp.server")
-    ap.add_argument("--kv-budget-mb", type=int, default=96, help="KV memory of the capacity measurement")
+    ap.add_argument("--kv-budget-mb", type=int, default=96, help="KV memory of the capacity measurement (0: skip it)")
     ap.add_argument("--llama-server", default=None, help="a llama-server binary (default: bench/peers.py builds one)")
+    ap.add_argument("--servers", default=None, help="only these, comma-separated NAME[:CONFIG] "
+                    "(e.g. edgefinfer:kv-unified,llama-server)")
+    ap.add_argument("--ours-args", default="", help="extra arguments for our server (e.g. '--retain-tokens 1024')")
     ap.add_argument("--out", default="server")
     args = ap.parse_args()
 
@@ -339,7 +345,7 @@ def main() -> None:
     from edgefinfer import reference
     from edgefinfer.gguf_import import config_from_gguf, open_gguf, tokenizer_from_gguf
 
-    global BANNED
+    SLOTS = args.slots
     gguf = Path(args.model) if args.model else reference.gguf_path("smollm2-135m")
     meta = open_gguf(gguf)
     tokenizer = tokenizer_from_gguf(meta)
@@ -358,7 +364,7 @@ def main() -> None:
         argv = [py, "-m", "edgefinfer.app.serve_command", str(gguf), "--port", str(port), "--threads", th,
                 "--max-num-seqs", str(SLOTS), "--max-model-len", str(SLOT_CTX), "--kv-dtype", "f16",
                 "--log-level", "warning", "--gpu-layers", str(args.gpu_layers), "--served-model-name", "model"]
-        argv += ["--kv-layout", "unified" if config == "kv-unified" else "per-slot"]
+        argv += ["--kv-layout", "unified" if config == "kv-unified" else "per-slot", *args.ours_args.split()]
         return ServerProcess("edgefinfer", config, argv, port, env=ours_env)
 
     def peer(config: str) -> ServerProcess:
@@ -382,10 +388,19 @@ def main() -> None:
 
     wanted = args.workloads.split(",")
     plan = [w for w in workloads(tokenizer, args.quick) if w.name in wanted]
+    if args.levels:
+        levels = tuple(int(x) for x in args.levels.split(","))
+        plan = [Workload(w.name, w.prompts, levels, w.requests_per_client) if w.name != "long-short" else w
+                for w in plan]
     runs: list[dict] = []
     t0 = time.time()
     print(f"model {gguf.name}, threads {args.threads}, max_tokens {max_tokens}, repeats {args.repeats}, "
           f"llama-server {binary}", flush=True)
+    def chosen(key: tuple[str, str]) -> bool:
+        if not args.servers:
+            return True
+        return any(want in (key[0], f"{key[0]}:{key[1]}") for want in args.servers.split(","))
+
     with contextlib.ExitStack() as stack:
         servers = {key: stack.enter_context(make()) for key, make in {
             ("edgefinfer", "kv-unified"): lambda: ours("kv-unified"),
@@ -394,7 +409,7 @@ def main() -> None:
             ("llama-server", "cache-reuse"): lambda: peer("cache-reuse"),
             ("llama-server", "no-prompt-cache"): lambda: peer("no-prompt-cache"),
             **({} if args.no_llama_cpp_python else {("llama_cpp.server", "default"): llama_cpp_python}),
-        }.items()}
+        }.items() if chosen(key)}
         for s in servers.values():
             warm_up(s, tokenizer)
         for work in plan:
@@ -415,7 +430,7 @@ def main() -> None:
     rows = [median_row(k, runs) for k in dict.fromkeys((r["server"], r["config"], r["workload"], r["concurrency"])
                                                        for r in runs)]
     print("measuring sequences admitted at a fixed KV budget", flush=True)
-    capacity = kv_capacity(gguf, args.threads, args.kv_budget_mb, tokenizer, max_tokens)
+    capacity = kv_capacity(gguf, args.threads, args.kv_budget_mb, tokenizer, max_tokens) if args.kv_budget_mb else {}
 
     def row(server: str, config: str, workload: str, c: int) -> dict | None:
         return next((r for r in rows if (r["server"], r["config"], r["workload"], r["concurrency"])
@@ -429,7 +444,8 @@ def main() -> None:
                 summary[f"{config} {work} C={c}"] = {"tok_s_ratio": round(a["tok_s"] / b["tok_s"], 2),
                                                      "ttft_p50_ratio": round(a["ttft_p50_s"] / b["ttft_p50_s"], 2),
                                                      "ttft_p99_ratio": round(a["ttft_p99_s"] / b["ttft_p99_s"], 2)}
-    summary["kv_capacity_ratio"] = round(capacity["edgefinfer_max_seqs"] / max(1, capacity["llama_server_max_seqs"]), 2)
+    if capacity:
+        summary["kv_capacity_ratio"] = round(capacity["edgefinfer_max_seqs"] / max(1, capacity["llama_server_max_seqs"]), 2)
     payload = {"rows": rows, "kv_capacity": capacity, "summary": summary, "edgefinfer_metrics": cache,
                "all_runs": runs, "machine": machine(), "threads": args.threads, "model": gguf.name,
                "max_tokens": max_tokens, "quick": args.quick, "repeats": args.repeats, "kv_dtype": "f16 (all)",

