@@ -273,6 +273,8 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     only = set(args.only.split(",")) if args.only else None
     arts = build_artefacts(work, folder, args.quick, only)
+    built = dict(arts)
+    arts = {k: built.get(k, work / "not-built") for k in ("gguf-q8_0", "gguf-q4_0", "onnx-int4", "pte-8da4w", "genai-int4")}
     prompt_len, n = (64, 16) if args.quick else (128, 64)
     prompt = Tokenizer.from_dir(folder).encode(load_text("test"))[:prompt_len]
     prompt_file = work / "prompt.json"
@@ -304,7 +306,7 @@ def main() -> None:
     bandwidth = read_bandwidth_gb_s(args.threads)
     weights = {q: sum(f.stat().st_size for f in arts[a].iterdir() if f.suffix in (".gguf", ".pte", ".onnx", ".data"))
                for q, a in [("q4_0", "gguf-q4_0"), ("q8_0", "gguf-q8_0"), ("int4", "onnx-int4"), ("8da4w", "pte-8da4w")]
-               if a in arts}
+               if a in built}
     weights["fp32"] = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
     for r in rows:
         r["roofline_tok_s"] = bandwidth * 1e9 / weights[r["quant"]]
