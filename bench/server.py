@@ -218,7 +218,7 @@ def measure(server: ServerProcess, work: Workload, concurrency: int, max_tokens:
     return run
 
 
-def warm_up(server: ServerProcess, tokenizer) -> None:
+def warm_up(server: ServerProcess) -> None:
     asyncio.run(run_level(server, [PROMPTS[0]], 1, 4))
 
 
@@ -411,7 +411,7 @@ def main() -> None:
             **({} if args.no_llama_cpp_python else {("llama_cpp.server", "default"): llama_cpp_python}),
         }.items() if chosen(key)}
         for s in servers.values():
-            warm_up(s, tokenizer)
+            warm_up(s)
         for work in plan:
             entries = [k for k in servers if k[0] != "llama_cpp.server" or work.name == "short"]
             if work.name != "shared-system":  # the prompt-cache variants matter where prompts share

@@ -39,11 +39,10 @@ Rules, each with its reason:
   `RetainedPrefix` id (the storage keeps that many tokens of it, `FreeEvent.retained_as`), until
   the pool evicts one of their blocks (the retained prefix is cut there, `SlotPlan.retained_ops`)
   or more than `retain_prefixes` of them, or of `retain_blocks` blocks, exist (the least recently
-  used goes). A retained prefix
-  that another one starts with is dropped at once. So every cached block is held by a retained
-  prefix and every block of a retained prefix is cached or in use: the manager's free count stays
-  the storage's real free memory, which is what lets llama.cpp's unified cell pool be sized and
-  admitted by the manager alone.
+  used goes). A retained prefix that another one starts with is dropped at once. So every cached
+  block is held by a retained prefix and every block of a retained prefix is cached or in use: the
+  manager's free count stays the storage's real free memory, which is what lets llama.cpp's
+  unified cell pool be sized and admitted by the manager alone.
 
 Calling a method with an unknown or duplicate sequence id, or out-of-range lengths, is a bug in the
 caller and raises ValueError.
@@ -443,8 +442,8 @@ class PagedKVManager:
                                       (self.retain_blocks is not None and len(self._coverage) > self.retain_blocks)):
                 dropped.append(self._cut_retained(next(iter(self._retained)), 0))
         cached = self._forget_unheld(cached)
-        return FreeEvent(seq_id, tuple(seq.block_ids), tuple(cached), retained_as, len(run) * self.block_size,
-                         tuple(dropped))
+        kept_tokens = len(run) * self.block_size if retained_as is not None else 0
+        return FreeEvent(seq_id, tuple(seq.block_ids), tuple(cached), retained_as, kept_tokens, tuple(dropped))
 
     # ---------------------------------------------------------------- internals
     def _take(self, n: int) -> tuple[list[int], list[int], tuple[TruncateEvent | FreeEvent, ...]]:
