@@ -9,6 +9,11 @@ positions it holds that are still right.
 
 Greedy speculative decoding returns exactly the tokens of plain greedy decoding; with temperature
 > 0, rejection sampling keeps the target's distribution (see `edgefinfer.runtime.speculative.verify`).
+
+A `TokenMatcher` (structured output, `edgefinfer.structured`) masks every row before a token is
+drawn from it; drafts are cut at the first token its grammar rejects and each verification row is
+masked with the grammar's state after the drafts before it, so constrained speculative decoding
+returns the tokens of constrained plain decoding.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from edgefinfer.generation import GenerationStats
 from edgefinfer.runtime.backends.base import Backend
 from edgefinfer.runtime.speculative.adaptive import AdaptiveK
 from edgefinfer.sampling import SamplingParams
+from edgefinfer.structured import TokenMatcher, trim_draft
 
 if TYPE_CHECKING:  # torch is loaded only for sampling with temperature, penalties or speculation
     import torch
@@ -84,11 +90,22 @@ def verify_draft(logits: np.ndarray, draft: Draft, params: SamplingParams,
     return verify(draft.tokens, draft.probs, torch.from_numpy(np.ascontiguousarray(logits)), params, generator)
 
 
+def pick_token(logits: np.ndarray, params: SamplingParams, context: Sequence[int],
+               generator: torch.Generator | None, matcher: TokenMatcher | None) -> int:
+    """One token from a row of logits [V], within the grammar when there is one (which then advances)."""
+    if matcher is None:
+        return sample_row(logits, params, context, generator)
+    tok = sample_row(matcher.mask(logits), params, context, generator)
+    matcher.accept(tok)
+    return tok
+
+
 def generate_tokens(backend: Backend, prompt_ids: Sequence[int], max_new_tokens: int,
                     params: SamplingParams = SamplingParams(), stop_ids: Sequence[int] = (),
                     speculation: Speculation | None = None, stats: GenerationStats | None = None,
-                    cancel: threading.Event | None = None) -> Iterator[int]:
-    """Yield generated token ids (a stop id is yielded, then the loop ends)."""
+                    cancel: threading.Event | None = None, matcher: TokenMatcher | None = None) -> Iterator[int]:
+    """Yield generated token ids (a stop id is yielded, then the loop ends). With a `matcher` every
+    token is drawn within its grammar."""
     if not prompt_ids:
         raise UserError("the prompt is empty: give at least one token")
     if backend.window is None and len(prompt_ids) + max_new_tokens > backend.max_seq_len:
@@ -105,7 +122,7 @@ def generate_tokens(backend: Backend, prompt_ids: Sequence[int], max_new_tokens:
 
     t0 = time.perf_counter()
     context = list(prompt_ids)
-    tok = sample_row(backend.forward(context, 0)[-1], params, context, generator)
+    tok = pick_token(backend.forward(context, 0)[-1], params, context, generator, matcher)
     stats.prefill_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     produced = 0
@@ -115,15 +132,16 @@ def generate_tokens(backend: Backend, prompt_ids: Sequence[int], max_new_tokens:
         produced += 1
         stats.generated_tokens = produced
         yield tok
-        if tok in stop or produced >= max_new_tokens or (cancel is not None and cancel.is_set()):
+        if (tok in stop or produced >= max_new_tokens or (cancel is not None and cancel.is_set())
+                or (matcher is not None and matcher.finished)):
             return
         k = _draft_len(speculation, k_state, max_new_tokens - produced)
-        draft = speculation.proposer.propose(context, k) if k > 0 else None
+        draft = trim_draft(matcher, speculation.proposer.propose(context, k)) if k > 0 else None
         if draft is None or not draft.tokens:
             logits = backend.forward([context[-1]], len(context) - 1)[-1]
-            tok = sample_row(logits, params, context, generator)
+            tok = pick_token(logits, params, context, generator, matcher)
         else:
-            pending = _verify_round(backend, context, draft, params, generator, speculation)
+            pending = _verify_round(backend, context, draft, params, generator, speculation, matcher)
             if k_state is not None:
                 k_state = speculation.adaptive.update(k_state, len(draft.tokens), len(pending) - 1)
             for tok in pending[:-1]:
@@ -145,10 +163,14 @@ def _draft_len(speculation: Speculation | None, k_state, remaining: int) -> int:
 
 
 def _verify_round(backend: Backend, context: list[int], draft, params: SamplingParams,
-                  generator: torch.Generator | None, speculation: Speculation) -> list[int]:
+                  generator: torch.Generator | None, speculation: Speculation,
+                  matcher: TokenMatcher | None) -> list[int]:
     """One target call over `[last] + drafts`; returns the accepted drafts plus the target's token."""
     logits = backend.forward([context[-1], *draft.tokens], len(context) - 1)  # [k+1, V]
+    if matcher is not None:
+        logits = matcher.mask_rows(logits, draft.tokens)
     result = verify_draft(logits, draft, params, generator)
     speculation.stats.record(result)
     backend.rollback(len(context) + result.num_accepted_draft)
-    return list(result.tokens)
+    tokens = list(result.tokens)
+    return tokens[:matcher.accept_until_finished(tokens)] if matcher is not None else tokens

@@ -3,6 +3,7 @@
     engine = Engine.load("dist/android")                 # picks the backend from manifest.json
     for delta in engine.stream("Hello", max_tokens=64):   # or engine.generate(...)
         print(delta, end="")
+    engine.generate("A user record:", response_format={"type": "json_schema", "json_schema": {"schema": s}})
 
 `Engine.load` accepts a bundle folder, a `.pte`, an ONNX folder or `.onnx`, a `.gguf`, or a Hugging
 Face folder (eager torch, the reference path). Bundles are verified against their manifest's hashes
@@ -25,7 +26,11 @@ from edgefinfer.resolve import resolve
 from edgefinfer.runtime.backends.base import Backend
 from edgefinfer.runtime.decode import Speculation, generate_tokens
 from edgefinfer.sampling import SamplingParams
+from edgefinfer.structured import Constraint, Grammar, GrammarCompiler
 from edgefinfer.tokenizer import Tokenizer
+
+# What `response_format` accepts: OpenAI's dict, a Constraint, or an already compiled Grammar.
+ResponseFormat = dict | Constraint | Grammar | None
 
 
 @dataclass(frozen=True)
@@ -177,6 +182,7 @@ class Engine:
         self.speculation = speculation
         self.info = info or {}
         self._lock = threading.Lock()  # one stream at a time owns the backend's cache
+        self._grammars: GrammarCompiler | None = None
 
     @classmethod
     def load(cls, path: str | Path, backend: str | None = None, kv: str | KVOption | None = None,
@@ -194,19 +200,39 @@ class Engine:
         speculation = _speculation(spec, be, kv, threads) if spec is not None else None
         return cls(be, tok, info["eos_ids"], speculation, info)
 
+    def grammar(self, response_format: ResponseFormat) -> Grammar | None:
+        """Compile a structured-output constraint for this model (a bad one is a UserError, raised before
+        any token is generated)."""
+        if response_format is None or isinstance(response_format, Grammar):
+            return response_format
+        constraint = (response_format if isinstance(response_format, Constraint)
+                      else Constraint.from_response_format(response_format))
+        if constraint is None:
+            return None
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.backend.vocab_size, self.eos_ids)
+        return self._grammars.compile(constraint)
+
     def stream(self, prompt: str, max_tokens: int = 128, params: SamplingParams = SamplingParams(),
                stop: list[str] | None = None, chat: bool = False, on_token: Callable[[int], None] | None = None,
-               cancel: threading.Event | None = None, result: Generation | None = None) -> Iterator[str]:
-        """Yield text deltas; closing the iterator (or setting `cancel`) stops decoding at once."""
+               cancel: threading.Event | None = None, result: Generation | None = None,
+               response_format: ResponseFormat = None) -> Iterator[str]:
+        """Yield text deltas; closing the iterator (or setting `cancel`) stops decoding at once.
+        `response_format` constrains the output (OpenAI's {"type": "json_object"} or {"type":
+        "json_schema", ...}, or a `Constraint`: a regex or a Lark/GBNF grammar)."""
+        grammar = self.grammar(response_format)
         ids = encode_prompt(self.tokenizer, prompt, chat)
         result = result if result is not None else Generation("", [], "length")
         if not self._lock.acquire(blocking=False):
             raise UserError("this engine is already generating; use one Engine per concurrent stream "
                             "or `edgefinfer serve` for many")
         try:
+            matcher = grammar.matcher() if grammar is not None else None
             tokens = generate_tokens(self.backend, ids, max_tokens, params, self.eos_ids, self.speculation,
-                                     result.stats, cancel)
+                                     result.stats, cancel, matcher)
             yield from detokenize(self.tokenizer, tokens, self.eos_ids, stop, result, on_token)
+            if matcher is not None and matcher.finished:
+                result.finish_reason = "stop"  # the output is complete, even if it took the last allowed token
         finally:
             self._lock.release()
             result.stats.peak_rss_mb = peak_rss_mb()

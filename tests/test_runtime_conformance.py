@@ -6,6 +6,8 @@ decoding (prompt lookup) returns exactly the plain greedy tokens on each backend
 sliding-window caches stream 10x their window at flat resident memory.
 """
 
+import re
+
 import numpy as np
 import pytest
 
@@ -70,6 +72,34 @@ def test_speculative_decoding_is_exact_on_each_backend(artefacts, engines, backe
     spec = Engine.load(artefacts[backend], backend=backend, max_seq_len=128, speculative="lookup:2,4")
     fast = spec.generate(PROMPTS[0] * 3, max_tokens=40)
     assert fast.token_ids == plain
+    assert spec.speculation.stats.proposed > 0
+
+
+REGEX = r"[a-z ,]{10,40}[.]"  # text the tiny model writes, bounded so every backend finishes
+
+
+def test_constrained_tokens_are_identical_on_every_backend(engines):
+    from edgefinfer.structured import Constraint
+
+    for prompt in PROMPTS[:3]:
+        outputs = {name: e.generate(prompt, max_tokens=N, response_format=Constraint.regex(REGEX))
+                   for name, e in engines.items()}
+        reference = outputs["torch"]
+        assert re.fullmatch(REGEX, reference.text) and reference.finish_reason == "stop", reference.text
+        for name, out in outputs.items():
+            assert out.token_ids == reference.token_ids, (name, prompt)
+
+
+@pytest.mark.parametrize("backend", ["torch", "executorch", "onnxruntime", "llamacpp"])
+def test_constrained_speculative_decoding_is_exact_on_each_backend(artefacts, engines, backend):
+    from edgefinfer.structured import Constraint
+
+    prompt = PROMPTS[0] * 3
+    regex = r"[a-z ]{20,60}[.]"
+    plain = engines[backend].generate(prompt, max_tokens=N, response_format=Constraint.regex(regex))
+    spec = Engine.load(artefacts[backend], backend=backend, max_seq_len=128, speculative="lookup:2,4")
+    fast = spec.generate(prompt, max_tokens=N, response_format=Constraint.regex(regex))
+    assert fast.token_ids == plain.token_ids and re.fullmatch(regex, fast.text)
     assert spec.speculation.stats.proposed > 0
 
 
