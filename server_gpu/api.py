@@ -35,6 +35,8 @@ from edgefinfer.server_gpu.protocol import (APIError, ChatCompletionRequest, Cha
                                             CompletionRequest, CompletionResponse, ErrorResponse, ModelList,
                                             error_body)
 from edgefinfer.server_gpu.request import GenerationParams, RequestOutput
+from edgefinfer.structured import Constraint
+from edgefinfer import tool_calls
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +126,7 @@ def create_app(engine: ServingEngine, model_name: str, api_key: str | None = Non
         prompts = _completion_prompts(engine, body.prompt, max_prompt)
         params = _params(body, max(len(p) for p in prompts), max_len, vocab, limits, body.max_tokens, body.logprobs,
                          "logprobs")
+        params = await _with_grammar(engine, params, _constraint(body))
         rid = f"cmpl-{uuid.uuid4().hex}"
         builder = fmt.CompletionBuilder(engine.tokenizer, rid, model_name, created=int(time.time()), n=body.n,
                                         logprobs=body.logprobs is not None)
@@ -134,15 +137,29 @@ def create_app(engine: ServingEngine, model_name: str, api_key: str | None = Non
               responses=_STREAMED)
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
-        if body.tools:
-            raise APIError(400, "tool calling is not supported by this server", param="tools")
-        if body.response_format and body.response_format.get("type", "text") != "text":
-            raise APIError(400, "only response_format {'type': 'text'} is supported", param="response_format")
         if not body.messages:
             raise APIError(400, "messages must hold at least one message", param="messages")
         try:
-            text = engine.tokenizer.apply_chat_template([{"role": m.role, "content": _check_text(m.text(), "messages")}
-                                                         for m in body.messages])
+            tools = tool_calls.parse_tools(body.tools or [])
+        except UserError as e:
+            raise APIError(400, str(e), param="tools") from None
+        try:
+            choice = tool_calls.parse_tool_choice(body.tool_choice, tools)
+        except UserError as e:
+            raise APIError(400, str(e), param="tool_choice") from None
+        constraint = _constraint(body)
+        calling = choice != "none"
+        if calling:
+            if constraint is not None:
+                raise APIError(400, "tools and a response_format or structured_outputs constraint exclude each "
+                                    "other; send one of them (or tool_choice \"none\")", param="response_format")
+            constraint = tool_calls.tool_call_constraint(tools, choice, body.parallel_tool_calls)
+        messages = [{"role": m.role, "content": _check_text(m.text(), "messages"),
+                     "tool_calls": [c.model_dump() for c in m.tool_calls] if m.tool_calls else None}
+                    for m in body.messages]
+        try:
+            messages = tool_calls.render_messages(messages, tools if calling else [])
+            text = engine.tokenizer.apply_chat_template(messages)
         except UserError as e:
             raise APIError(400, str(e), param="messages") from None
         ids = engine.tokenizer.encode(text)
@@ -153,9 +170,10 @@ def create_app(engine: ServingEngine, model_name: str, api_key: str | None = Non
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = _params(body, len(ids), max_len, vocab, limits, max_tokens, (top or 0) if body.logprobs else None,
                          "top_logprobs")
+        params = await _with_grammar(engine, params, constraint, "tools" if calling else "response_format")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         builder = fmt.ChatBuilder(engine.tokenizer, rid, model_name, created=int(time.time()), n=body.n,
-                                  logprobs=body.logprobs)
+                                  logprobs=body.logprobs, tools=calling)
         return await _respond(request, engine, rid, [ids], params, builder, body.stream,
                               bool(body.stream_options and body.stream_options.include_usage))
 
@@ -230,6 +248,37 @@ def _params(body, prompt_len: int, max_len: int, vocab: int, limits: ServerLimit
         raise APIError(400, str(e)) from None
     return GenerationParams(max_tokens=max_tokens, sampling=sampling, n=body.n, stop=tuple(stop), logprobs=logprobs,
                             ignore_eos=body.ignore_eos, logit_bias=bias)
+
+
+def _constraint(body) -> Constraint | None:
+    """The request's output constraint: OpenAI's `response_format`, or the `structured_outputs` extension."""
+    so = body.structured_outputs
+    given = [k for k, v in (("json", so.json_ if so else None), ("regex", so.regex if so else None),
+                            ("grammar", so.grammar if so else None)) if v is not None]
+    try:
+        from_format = Constraint.from_response_format(body.response_format)
+        if len(given) + (from_format is not None) > 1:
+            raise UserError("give one constraint: response_format, or one of structured_outputs' json, regex, grammar")
+        if from_format is not None or not given:
+            return from_format
+        if given == ["json"]:
+            return Constraint.json_schema(so.json_)
+        return Constraint.regex(so.regex) if given == ["regex"] else Constraint.grammar(so.grammar)
+    except UserError as e:
+        raise APIError(400, str(e), param="structured_outputs" if given else "response_format") from None
+
+
+async def _with_grammar(engine: ServingEngine, params: GenerationParams, constraint: Constraint | None,
+                        param: str = "response_format") -> GenerationParams:
+    """Compile the constraint off the event loop (the first one builds the tokenizer's trie, ~0.5 s);
+    one that does not compile is a 400 with the grammar engine's reason, before any token."""
+    if constraint is None:
+        return params
+    try:
+        grammar = await asyncio.to_thread(engine.grammars.compile, constraint)
+    except UserError as e:
+        raise APIError(400, str(e), param=param) from None
+    return dataclasses.replace(params, grammar=grammar)
 
 
 # Dividing float32 logits by a smaller temperature overflows them to inf (1e-300 is 0 in float32), and

@@ -23,6 +23,7 @@ from edgefinfer.server_gpu.interface import Executor, StepPlan
 from edgefinfer.server_gpu.metrics import Metrics
 from edgefinfer.server_gpu.request import ChoiceDelta, GenerationParams, Request, RequestOutput, Status
 from edgefinfer.server_gpu.scheduler import Scheduler, SchedulerConfig, StepStats
+from edgefinfer.structured import GrammarCompiler
 from edgefinfer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,8 @@ class ServingEngine:
         self.scheduler = Scheduler(config.scheduler, self.manager, tokenizer, stop_ids, executor.batch_invariant,
                                    speculation, supports_swap=executor.supports_swap)
         self.metrics = Metrics(self.snapshot)
+        # Structured output: requests' constraints compile against this model's tokenizer (API side).
+        self.grammars = GrammarCompiler(tokenizer, executor.vocab_size, stop_ids)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._requests: dict[str, Request] = {}  # engine-thread view: whom to deliver to
         self._loop: asyncio.AbstractEventLoop | None = None

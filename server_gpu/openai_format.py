@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any, Protocol
 
+from edgefinfer import tool_calls
 from edgefinfer.server_gpu.request import ChoiceDelta, RequestOutput
 from edgefinfer.server_gpu.sampler import TokenLogprob
 from edgefinfer.tokenizer import Tokenizer
@@ -114,8 +115,18 @@ class CompletionBuilder(_Base):
 
 
 class ChatBuilder(_Base):
+    """Chat bodies and chunks. With `tools`, a reply that is a call list comes back as `tool_calls`
+    (finish_reason "tool_calls"); while streaming, text that may still become a call is held back, and
+    the calls go out in one delta once the reply ends (they parse only whole)."""
+
     object_final = "chat.completion"
     object_chunk = "chat.completion.chunk"
+
+    def __init__(self, *args, tools: bool = False, **kw):
+        super().__init__(*args, **kw)
+        self.tools = tools
+        self._held: dict[int, str] = defaultdict(str)  # streamed text not yet sent: it may be a call
+        self._plain: set[int] = set()  # choices known to answer in text
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         text = self.piece(token_id)
@@ -134,20 +145,43 @@ class ChatBuilder(_Base):
     def chunks(self, prompt_index: int, out: RequestOutput) -> list[dict[str, Any]]:
         chunks = []
         for i, d in self._visible_deltas(prompt_index, out):
-            delta = {"content": d.text} if d.text else {}
+            delta, finish = self._stream_delta(i, d)
+            if not delta and finish is None and not d.logprobs:
+                continue
             lp = self._logprobs(d.logprobs) if self.want_logprobs and d.logprobs else None
             chunks.append({**self._head(self.object_chunk), "choices": [
-                {"index": i, "delta": delta, "logprobs": lp, "finish_reason": _public(d.finish_reason)}]})
+                {"index": i, "delta": delta, "logprobs": lp, "finish_reason": _public(finish)}]})
         return chunks
 
+    def _stream_delta(self, i: int, d: ChoiceDelta) -> tuple[dict[str, Any], str | None]:
+        if not self.tools or i in self._plain:
+            return ({"content": d.text} if d.text else {}), d.finish_reason
+        held = self._held[i] + d.text
+        if d.finish_reason is None and tool_calls.could_be_call(held):
+            self._held[i] = held
+            return {}, None
+        self._held.pop(i, None)
+        calls = tool_calls.parse_tool_calls(held) if d.finish_reason is not None else None
+        if calls:
+            return {"tool_calls": [{"index": j, **c} for j, c in enumerate(calls)]}, "tool_calls"
+        self._plain.add(i)
+        return ({"content": held} if held else {}), d.finish_reason
+
     def final(self) -> dict[str, Any]:
-        choices = [{"index": i, "message": {"role": "assistant", "content": self.texts[i]},
-                    "logprobs": self._logprobs(self.logprobs[i]) if self.want_logprobs else None,
-                    "finish_reason": _public(self.finish.get(i))} for i in self._choices()]
+        choices = []
+        for i in self._choices():
+            message: dict[str, Any] = {"role": "assistant", "content": self.texts[i]}
+            finish = self.finish.get(i)
+            calls = tool_calls.parse_tool_calls(self.texts[i]) if self.tools else None
+            if calls:
+                message, finish = {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+            choices.append({"index": i, "message": message,
+                            "logprobs": self._logprobs(self.logprobs[i]) if self.want_logprobs else None,
+                            "finish_reason": _public(finish)})
         return {**self._head(self.object_final), "choices": choices, "usage": self.usage()}
 
 
 def _public(reason: str | None) -> str | None:
     """OpenAI knows "stop" and "length"; "abort" (as vLLM says it) reaches a client only when a shutdown's
     grace period ended its request (a client that left sees nothing)."""
-    return reason if reason in (None, "stop", "length", "abort") else "stop"
+    return reason if reason in (None, "stop", "length", "tool_calls", "abort") else "stop"

@@ -38,6 +38,12 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class StructuredOutputs(_Strict):
+    json_: dict[str, Any] | None = Field(None, alias="json", description="a JSON schema")
+    regex: str | None = None
+    grammar: str | None = Field(None, description="a Lark grammar, or llama.cpp's GBNF")
+
+
 class _Sampling(_Strict):
     model: str
     temperature: float | None = None
@@ -53,6 +59,11 @@ class _Sampling(_Strict):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     ignore_eos: bool = Field(False, description="extension: keep generating past end-of-sequence tokens")
+    response_format: dict[str, Any] | None = Field(
+        None, description='{"type": "text" | "json_object"} or {"type": "json_schema", "json_schema": {"name": ..., '
+                          '"schema": {...}}}: the output parses as JSON and follows the schema')
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description="extension (as vLLM names it): constrain the output to a JSON schema, a regex or a grammar")
 
 
 class CompletionRequest(_Sampling):
@@ -69,10 +80,23 @@ class TextPart(_Strict):
     text: str
 
 
+class ToolCallFunction(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # the call a tool message answers
 
     def text(self) -> str:
         if self.content is None:
@@ -87,7 +111,8 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
 
 
 # ---- responses (documentation) --------------------------------------------------------------------
@@ -122,7 +147,8 @@ class CompletionResponse(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class TopLogprob(BaseModel):
@@ -139,7 +165,7 @@ class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: dict[str, list[ChatTokenLogprob]] | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None
+    finish_reason: Literal["stop", "length", "tool_calls", "abort"] | None
 
 
 class ChatCompletionResponse(BaseModel):

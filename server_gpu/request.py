@@ -21,6 +21,7 @@ from edgefinfer.runtime.speculative.adaptive import KState
 from edgefinfer.runtime.speculative.proposers import Proposer
 from edgefinfer.sampling import SamplingParams
 from edgefinfer.server_gpu.sampler import TokenLogprob
+from edgefinfer.structured import Grammar, TokenMatcher
 from edgefinfer.tokenizer import IncrementalDecoder, Tokenizer
 
 
@@ -33,6 +34,7 @@ class GenerationParams:
     logprobs: int | None = None  # None: none; k >= 0: the sampled token's logprob and the top k
     ignore_eos: bool = False
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit) before sampling
+    grammar: Grammar | None = None  # structured output: every choice's tokens stay within it
 
 
 class Status(enum.Enum):
@@ -105,6 +107,9 @@ class Seq:
         self.k_state: KState | None = None
         self.num_preemptions = 0
         self.last_emit_time: float | None = None
+        # Structured output: where this choice's output stands in its grammar (dropped when it ends).
+        grammar = request.params.grammar
+        self.matcher: TokenMatcher | None = grammar.matcher() if grammar is not None else None
 
     @property
     def num_output(self) -> int:

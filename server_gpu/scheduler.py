@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from edgefinfer.errors import UserError
-from edgefinfer.runtime.decode import sample_row, verify_draft
+from edgefinfer.runtime.decode import pick_token, verify_draft
 from edgefinfer.runtime.kv.paged_manager import NoRoom, PagedKVManager, SlotPlan
 from edgefinfer.runtime.speculative.proposers import Draft
 from edgefinfer.server_gpu import sampler
@@ -43,6 +43,7 @@ from edgefinfer.server_gpu.interface import KVOp, SeqWork, StepPlan, StepResult,
 from edgefinfer.server_gpu.request import ChoiceDelta, Request, RequestOutput, Seq, Status, TextStream
 from edgefinfer.server_gpu.batched_speculation import (AcceptanceEstimate, SpeculationConfig, StepCostModel,
                                                        initial_state, next_state)
+from edgefinfer.structured import trim_draft
 from edgefinfer.tokenizer import Tokenizer
 
 
@@ -134,7 +135,7 @@ class Scheduler:
                 self.waiting.remove(seq)
                 if seq.swapped is not None:
                     self._pending_ops.append(SwapOp(seq.seq_id, "drop"))
-            seq.status, seq.finish_reason = Status.FINISHED, "abort"
+            seq.status, seq.finish_reason, seq.matcher = Status.FINISHED, "abort", None
         return True
 
     def has_work(self) -> bool:
@@ -219,7 +220,8 @@ class Scheduler:
         t0 = time.perf_counter()
         draft = seq.proposer.propose(seq.tokens, k)
         self.cost.observe_draft(len(draft), time.perf_counter() - t0)
-        return draft if draft.tokens else None
+        draft = trim_draft(seq.matcher, draft)  # a draft the grammar rejects is cut where it breaks
+        return draft if draft is not None and draft.tokens else None
 
     def _chunk(self, seq: Seq, budget: int) -> int:
         """Tokens of the next prompt chunk to run now (0: wait for a later step)."""
@@ -349,7 +351,7 @@ class Scheduler:
                 samplers = list(seq.request.seqs)
             biased = sampler.apply_bias(row[0], seq.request.params.logit_bias)
             for s in samplers:
-                token = sample_row(biased, s.request.params.sampling, s.tokens, s.generator)
+                token = pick_token(biased, s.request.params.sampling, s.tokens, s.generator, s.matcher)
                 self._emit(s, [token], row, now, touched)
         outputs = [RequestOutput(r.request_id, d, r.finished, r.num_prompt, r.num_output_tokens())
                    for r, d in touched.values()]
@@ -360,7 +362,10 @@ class Scheduler:
                             touched: dict[str, tuple[Request, list[ChoiceDelta]]]) -> None:
         seq, draft = item.seq, item.draft
         p = seq.request.params
-        result = verify_draft(sampler.apply_bias(rows, p.logit_bias), draft, p.sampling, seq.generator)
+        rows_biased = sampler.apply_bias(rows, p.logit_bias)
+        if seq.matcher is not None:
+            rows_biased = seq.matcher.mask_rows(rows_biased, draft.tokens)
+        result = verify_draft(rows_biased, draft, p.sampling, seq.generator)
         keep = len(seq.tokens) + result.num_accepted_draft  # the KV of [last, accepted drafts] stays valid
         self._pending_ops.append(self.manager.truncate(seq.seq_id, keep))
         self.manager.mark_computed(seq.seq_id)
@@ -370,7 +375,10 @@ class Scheduler:
         self.acceptance.observe(len(draft), result.num_accepted_draft)
         seq.k_state = next_state(self.speculation, self.cost.cost(num_decoding), seq.k_state,
                                  len(draft), result.num_accepted_draft)
-        self._emit(seq, list(result.tokens), rows, now, touched)
+        tokens = list(result.tokens)
+        if seq.matcher is not None:  # the output ends where its grammar does
+            tokens = tokens[:seq.matcher.accept_until_finished(tokens)]
+        self._emit(seq, tokens, rows, now, touched)
 
     def _fork_children(self, seq0: Seq) -> None:
         """The prompt is computed: create choices 1..n-1, sharing its blocks."""
@@ -413,6 +421,9 @@ class Scheduler:
             if stop_string:
                 finish = "stop"
                 break
+            if seq.matcher is not None and len(emitted) == len(tokens) and seq.matcher.finished:
+                finish = "stop"  # the grammar is complete (as the runtime ends it, without an EOS step)
+                break
             if seq.num_output >= p.max_tokens or len(seq.tokens) >= self.config.max_model_len:
                 finish = "length"
                 break
@@ -426,7 +437,7 @@ class Scheduler:
 
     def _finish(self, seq: Seq, reason: str) -> None:
         self._release(seq)
-        seq.status, seq.finish_reason = Status.FINISHED, reason
+        seq.status, seq.finish_reason, seq.matcher = Status.FINISHED, reason, None
         request = seq.request
         request.num_finished += 1
         if request.finished:
@@ -444,7 +455,7 @@ class Scheduler:
             if s.swapped is not None:
                 self._pending_ops.append(SwapOp(s.seq_id, "drop"))
                 s.swapped = None
-            s.status, s.finish_reason = Status.FINISHED, "error"
+            s.status, s.finish_reason, s.matcher = Status.FINISHED, "error", None
         self.requests.pop(request.request_id, None)
         self._failed.append(RequestOutput(request.request_id, [], True, request.num_prompt, 0, error=message))
         self._stats.finished["error"] = self._stats.finished.get("error", 0) + 1

@@ -104,20 +104,47 @@ def _sampling_options(f):
         click.option("--kv", default=None, help="KV cache: static (default) | window:N[,sinks:S] | paged:BLOCK."),
         click.option("--speculative", default=None, help="draft:PATH[,K] | lookup[:NGRAM][,K]."),
         click.option("--threads", type=int, default=None, help="Intra-op threads."),
+        click.option("--json-schema", "json_schema", type=click.Path(dir_okay=False), default=None,
+                     help="Constrain the output to this JSON schema (a file)."),
+        click.option("--regex", default=None, help="Constrain the output to match this regular expression."),
+        click.option("--grammar", type=click.Path(dir_okay=False), default=None,
+                     help="Constrain the output to this grammar (a Lark or GBNF file)."),
     ]):
         f = opt(f)
     return f
 
 
+def _constraint(json_schema: str | None, regex: str | None, grammar: str | None):
+    """--json-schema / --regex / --grammar as one structured-output constraint (at most one of them)."""
+    from edgefinfer.structured import Constraint
+
+    given = [name for name, v in (("--json-schema", json_schema), ("--regex", regex), ("--grammar", grammar)) if v]
+    if len(given) > 1:
+        raise UserError(f"{' and '.join(given)} exclude each other; give one constraint")
+    if regex is not None:
+        return Constraint.regex(regex)
+    path = json_schema or grammar
+    if path is None:
+        return None
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read {path}: {e}") from None
+    return Constraint.json_schema(text) if json_schema else Constraint.grammar(text)
+
+
 def _generate_with_engine(engine, prompt: str, chat: bool, max_tokens: int, temperature: float,
                           top_k: int | None, top_p: float | None, repetition_penalty: float, seed: int | None,
-                          stop: tuple[str, ...], stream: bool) -> None:
+                          stop: tuple[str, ...], stream: bool, json_schema: str | None = None, regex: str | None = None,
+                          grammar: str | None = None) -> None:
     from edgefinfer.generation import Generation
     from edgefinfer.sampling import SamplingParams
 
     params = SamplingParams(temperature, top_k, top_p, repetition_penalty, seed)
     result = Generation("", [], "length")
-    for delta in engine.stream(prompt, max_tokens, params, list(stop), chat, result=result):
+    compiled = engine.grammar(_constraint(json_schema, regex, grammar))  # a bad one fails before any token
+    for delta in engine.stream(prompt, max_tokens, params, list(stop), chat, result=result,
+                               response_format=compiled):
         if stream:
             click.echo(delta, nl=False)
     click.echo("" if stream else result.text)
