@@ -118,7 +118,7 @@ class Constraint:
             if self.kind == "regex":
                 return LLMatcher.grammar_from_regex(self.source)
             return grammar_from("grammar", self.source)  # Lark, or GBNF (converted to Lark)
-        except ValueError as e:
+        except Exception as e:  # any input: the library raises ValueError, its GBNF converter anything
             raise UserError(f"the {self.describe()} does not compile: {_first_line(e)}") from None
 
     def describe(self) -> str:
@@ -156,7 +156,10 @@ class GrammarCompiler:
         from llguidance import LLMatcher
 
         source = constraint.llguidance_grammar()
-        is_error, messages = LLMatcher.validate_grammar_with_warnings(source, self.ll_tokenizer)
+        try:
+            is_error, messages = LLMatcher.validate_grammar_with_warnings(source, self.ll_tokenizer)
+        except Exception as e:  # a grammar that passes conversion but trips the validator itself
+            is_error, messages = True, [str(e)]
         if is_error:
             raise UserError(f"the {constraint.describe()} does not compile: {_first_line(messages[0])}")
         return Grammar(constraint, source, self)

@@ -59,3 +59,25 @@ def test_generate_on_a_tiny_folder(tmp_path):
 def test_commands_refuse_a_bogus_argument_in_one_line(command):
     # Not built yet: says so; once built: a missing bundle/model is a user error all the same.
     assert_one_line_error(run_cli(command, "/nonexistent/whatever"))
+
+
+def test_structured_output_flags_constrain_and_bad_constraints_fail_in_one_line(tmp_path):
+    import json
+    import re
+
+    tok = tiny_tokenizer()
+    save_model(tiny_model(vocab_size=tok.vocab_size, eos_token_id=None), tmp_path / "m")
+    tok.save(tmp_path / "m")
+    model = str(tmp_path / "m")
+    proc = run_cli("generate", model, "-p", "It is a truth", "-n", "30", "--no-stream", "--regex", "[a-z]{4}-[0-9]{2}")
+    assert proc.returncode == 0, proc.stderr
+    assert re.fullmatch(r"[a-z]{4}-[0-9]{2}", proc.stdout.strip()) and "finish=stop" in proc.stderr
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+                                  "additionalProperties": False}))
+    proc = run_cli("generate", model, "-p", "x", "-n", "20", "--no-stream", "--json-schema", str(schema))
+    assert proc.returncode == 0 and json.loads(proc.stdout) in ({"ok": True}, {"ok": False}), proc.stdout
+    # (grammars, and each kind of bad constraint, are tested without a process: tests/test_structured.py)
+    assert_one_line_error(run_cli("generate", model, "-p", "x", "--regex", "(open"), "regex does not compile")
+    assert_one_line_error(run_cli("generate", model, "-p", "x", "--regex", "a", "--grammar", str(tmp_path / "g.lark")),
+                          "exclude each other")
