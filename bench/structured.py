@@ -115,7 +115,7 @@ def engine_row(name: str, backend: str, engine, items: list[dict]) -> tuple[dict
         texts.append(out.text)
         print(f"  {name}/{backend} {i + 1}/{len(items)} valid {valid} (unconstrained {plain_valid})", flush=True)
     per_c, per_u = c_time / max(c_tokens, 1), u_time / max(u_tokens, 1)
-    return ({"engine": name, "backend": backend, "task": "json_schema", "prompts": len(items),
+    return ({"engine": name, "backend": backend, "task": "json_schema", "prompts": len(items), "max_tokens": MAX_TOKENS,
              "valid_rate": valid / len(items), "unconstrained_valid_rate": plain_valid / len(items),
              "mask_overhead": round(per_c / per_u - 1, 4), "decode_ms_per_token": round(per_c * 1e3, 2),
              "unconstrained_decode_ms_per_token": round(per_u * 1e3, 2)}, texts)
@@ -164,6 +164,7 @@ def server_row(items: list[dict], engine_texts: list[str]) -> dict:
     engine.executor.close()
     per_c, per_u = per["c"][0] / max(per["c"][1], 1), per["u"][0] / max(per["u"][1], 1)
     return {"engine": "server", "backend": "llamacpp", "task": "json_schema", "prompts": len(items),
+            "max_tokens": MAX_TOKENS,
             "valid_rate": valid / len(items), "unconstrained_valid_rate": plain_valid / len(items),
             "mask_overhead": round(per_c / per_u - 1, 4), "decode_ms_per_token": round(per_c * 1e3, 2),
             "unconstrained_decode_ms_per_token": round(per_u * 1e3, 2), "same_as_engine": same / len(items)}
@@ -174,9 +175,12 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="6 prompts, llama.cpp only")
     ap.add_argument("--backends", default="llamacpp,executorch,onnxruntime,torch",
                     help="device backends to run (comma-separated)")
+    ap.add_argument("--max-tokens", type=int, default=MAX_TOKENS, help="per reply, constrained or not")
     ap.add_argument("--merge", action="store_true",
                     help="keep the other backends' rows of the existing results (run backends in several sittings)")
     args = ap.parse_args()
+    global MAX_TOKENS
+    MAX_TOKENS = args.max_tokens
 
     from edgefinfer import reference
     from edgefinfer.runtime.engine import Engine
@@ -189,13 +193,14 @@ def main() -> None:
 
         old = RESULTS / f"{result_stem('structured', args.quick)}.json"
         if old.is_file():
-            rows = [r for r in json.loads(old.read_text())["rows"] if r["backend"] not in backends]
+            before = json.loads(old.read_text())
+            rows = [{"max_tokens": before["max_tokens"], **r} for r in before["rows"] if r["backend"] not in backends]
     t_start = time.perf_counter()
     columns = ["engine", "backend", "prompts", "valid_rate", "unconstrained_valid_rate", "mask_overhead",
                "decode_ms_per_token", "unconstrained_decode_ms_per_token", "same_as_engine"]
 
     def save() -> Path:  # after every engine, so a long run that is stopped keeps what it measured
-        payload = {"rows": rows, "max_tokens": MAX_TOKENS, "threads": THREADS, "grammar_engine": "llguidance",
+        payload = {"rows": rows, "max_tokens": MAX_TOKENS, "threads": THREADS,  # this sitting's; rows say their own "grammar_engine": "llguidance",
                    "seconds": round(time.perf_counter() - t_start, 1), "machine": machine(),
                    "versions": versions("llguidance", "executorch", "onnxruntime", "llama-cpp-python")}
         return write_results("structured", payload, quick=args.quick)

@@ -90,6 +90,9 @@ def test_parallel_choices_and_regex_on_completions(server, client):
     done = client.completions.create(model=server.name, prompt="Phone:", max_tokens=20, temperature=0,
                                      extra_body={"structured_outputs": {"regex": pattern}})
     assert re.fullmatch(pattern, done.choices[0].text) and done.choices[0].finish_reason == "stop"
+    endless = client.completions.create(model=server.name, prompt="Letters:", max_tokens=6, temperature=0,
+                                        extra_body={"structured_outputs": {"regex": "[a-z]{500}"}})
+    assert endless.choices[0].finish_reason == "length" and endless.usage.completion_tokens == 6
 
 
 def _check_weather_call(call) -> dict:
