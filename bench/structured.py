@@ -171,6 +171,7 @@ def server_row(items: list[dict], engine_texts: list[str]) -> dict:
 
 
 def main() -> None:
+    global MAX_TOKENS
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="6 prompts, llama.cpp only")
     ap.add_argument("--backends", default="llamacpp,executorch,onnxruntime,torch",
@@ -179,7 +180,6 @@ def main() -> None:
     ap.add_argument("--merge", action="store_true",
                     help="keep the other backends' rows of the existing results (run backends in several sittings)")
     args = ap.parse_args()
-    global MAX_TOKENS
     MAX_TOKENS = args.max_tokens
 
     from edgefinfer import reference
