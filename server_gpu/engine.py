@@ -47,7 +47,8 @@ class ServingEngine:
                                       enable_prefix_caching=config.enable_prefix_caching,
                                       per_sequence_storage=executor.per_sequence_storage, hash_fn=sha256_block_hash,
                                       retain_prefixes=executor.retain_prefixes,
-                                      retain_blocks=executor.retain_blocks)
+                                      retain_blocks=executor.retain_blocks,
+                                      sliding_window=executor.sliding_window)
         self.scheduler = Scheduler(config.scheduler, self.manager, tokenizer, stop_ids, executor.batch_invariant,
                                    speculation, supports_swap=executor.supports_swap)
         self.metrics = Metrics(self.snapshot)

@@ -124,6 +124,9 @@ class LlamaSeqStorage:
 class LlamaCppExecutor:
     name = "llamacpp"
     per_sequence_storage = True
+    # llama.cpp's `llama` architecture has no windowed cache; a model declaring a window is served only
+    # within it (`LlamaModel.check_window`), where the window never bites.
+    sliding_window = None
 
     def __init__(self, gguf_path: str | Path, max_num_seqs: int = 32, max_model_len: int = 2048,
                  max_batch_tokens: int = 512, block_size: int = 16, kv_unified: bool = False,
@@ -132,6 +135,7 @@ class LlamaCppExecutor:
                  retain_prefixes: int | None = None, retain_tokens: int | None = None):
         self.model = LlamaModel(gguf_path, gpu_layers)
         max_model_len = min(max_model_len, self.model.n_ctx_train)
+        self.model.check_window(max_model_len, "--max-model-len")
         if kv_cells is not None and not kv_unified:
             raise UserError("--kv-cells sizes the unified pool; with --kv-layout per-slot each sequence gets "
                             "--max-model-len cells")

@@ -2,7 +2,8 @@
 
 It is the reference implementation of the executor contract: the attention reads each sequence's
 keys through its block table (`PagedBatch`), so prefix sharing, forks and copy-on-write are exactly
-what the paged-KV manager planned. Rows of a step are grouped by how many tokens they feed, and each
+what the paged-KV manager planned. A sliding-window model (Mistral-style `sliding_window`) has the
+manager drop the blocks behind the window, so each sequence's KV stays bounded however long it runs. Rows of a step are grouped by how many tokens they feed, and each
 group runs as one padded forward, so a 256-token prompt chunk does not pad 31 decode rows to 256.
 Only the rows that need logits go through the LM head.
 """
@@ -38,6 +39,8 @@ class TorchExecutor:
             raise UserError("--device cuda but torch sees no CUDA device; use --device cpu")
         self.model = model.to(self.device).eval()
         self.vocab_size = cfg.vocab_size
+        # The model masks by its window from key positions, so the blocks behind it can go.
+        self.sliding_window = cfg.sliding_window
         self.max_num_seqs = max_num_seqs
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.block_size = block_size
@@ -79,7 +82,7 @@ class TorchExecutor:
     def describe(self) -> dict:
         return {"backend": self.name, "device": str(self.device), "max_num_seqs": self.max_num_seqs,
                 "max_model_len": self.max_model_len, "block_size": self.block_size, "num_blocks": self.num_blocks,
-                "batch_invariant": self.batch_invariant}
+                "batch_invariant": self.batch_invariant, "sliding_window": self.sliding_window}
 
     def close(self) -> None:
         pass

@@ -105,6 +105,9 @@ class Executor(Protocol):
     # as its own tokens are split into the same chunks (llama.cpp with one KV stream per sequence).
     batch_invariant: bool
     supports_swap: bool  # the storage is a `SwappableStorage` and swapping keeps results exact
+    # The model attends to this many recent positions only; the manager drops blocks behind it
+    # (None: every block stays until its sequence ends).
+    sliding_window: int | None
     storage: KVStorage
 
     def execute(self, plan: StepPlan) -> StepResult:

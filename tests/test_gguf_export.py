@@ -172,3 +172,21 @@ def test_speculative_decoding_on_llamacpp_is_exact(tmp_path, tok):
     spec = Speculation(PromptLookupProposer(max_ngram=2), k=4)
     fast = list(generate_tokens(backend, ids, 40, speculation=spec))
     assert fast == plain and spec.stats.proposed > 0
+
+
+def test_a_window_llamacpp_would_ignore_is_refused_past_it(tmp_path, tok):
+    # llama.cpp's `llama` architecture reads no sliding window: past 20 tokens it would attend to
+    # everything, so both the runtime and the server refuse a longer context, and run within it.
+    from edgefinfer.errors import UserError
+    from edgefinfer.server_gpu.executor_llamacpp import LlamaCppExecutor
+
+    model = model_for(tok, model_type="mistral", sliding_window=20)
+    path = tmp_path / "w.gguf"
+    export_gguf(model, tok, path, "f32")
+    with pytest.raises(UserError, match="sliding window of 20 tokens.*--max-seq-len 20 or less"):
+        LlamaCppBackend(path, n_ctx=128, threads=1)
+    with pytest.raises(UserError, match="sliding window of 20 tokens.*--max-model-len 20 or less"):
+        LlamaCppExecutor(path, max_num_seqs=1, max_model_len=128, threads=1)
+    ids = tok.encode(PROMPT)[:20]
+    got = LlamaCppBackend(path, n_ctx=20, threads=1).forward(ids, 0)
+    assert np.abs(got - eager_logits(model, ids)).max() < 1e-3  # within the window the two agree

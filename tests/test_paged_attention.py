@@ -83,3 +83,29 @@ def test_truncate_after_rejected_speculation_equals_dense():
     manager.truncate("s", len(ids) + 1).apply_to(storage)  # keep one accepted draft
     (out,) = run_step(model, manager, storage, [manager.append("s", [60])], [[60]])
     assert (out - dense_logits(model, ids + [50, 60])[-1:]).abs().max() < 1e-5
+
+
+def test_runtime_paged_backend_on_a_window_model_holds_flat_blocks_and_recomputes_a_dropped_prefix():
+    # `edgefinfer generate --kv paged:4` on a sliding-window model: the same manager as the server
+    # drops the blocks behind the window; the tokens equal the ring cache's (`--kv window:10`).
+    from edgefinfer.runtime.backends.torch_eager import TorchBackend
+    from edgefinfer.runtime.backends.torch_paged import SEQ, PagedTorchBackend
+    from edgefinfer.runtime.decode import generate_tokens
+
+    model = tiny_model(seed=6, sliding_window=10)
+    prompt = list(range(3, 10))
+    paged = PagedTorchBackend(model, block_size=BS)
+    held = []
+    tokens = []
+    for t in generate_tokens(paged, prompt, 50):
+        tokens.append(t)
+        held.append(paged.manager.num_held_blocks(SEQ))
+    assert tokens == list(generate_tokens(TorchBackend(model, window=10), prompt, 50))
+    assert max(held[20:]) <= -(-10 // BS) + 1 and paged.manager.first_stored_position(SEQ) > 30
+    # Rolling back behind the window (a new prompt sharing only an early prefix) recomputes it.
+    full = prompt + tokens
+    paged.rollback(12)
+    assert paged.manager.num_tokens(SEQ) == 12 and paged.manager.first_stored_position(SEQ) == 0
+    got = paged.forward(full[12:20], 12)
+    want = dense_logits(model, full[:20])[12:20]
+    assert torch.allclose(torch.from_numpy(got), want, atol=1e-5)

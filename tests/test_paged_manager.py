@@ -12,7 +12,7 @@ import pytest
 
 from edgefinfer.errors import UserError
 from edgefinfer.runtime.kv.block_pool import builtin_block_hash, sha256_block_hash
-from edgefinfer.runtime.kv.paged_manager import CopyOp, NoRoom, PagedKVManager, RetainedPrefix, SlotPlan
+from edgefinfer.runtime.kv.paged_manager import NULL_BLOCK, CopyOp, NoRoom, PagedKVManager, RetainedPrefix, SlotPlan
 from edgefinfer.runtime.kv.storage import KVStorage
 
 BS = 4
@@ -54,8 +54,9 @@ class BlockStorage:
             self.data[slot // BS][slot % BS] = tok
 
     def tokens_of(self, m: PagedKVManager, seq) -> list:
+        """The tokens the sequence still stores (from its first position a sliding window kept)."""
         table = m.block_table(seq)
-        return [self.data[table[p // BS]][p % BS] for p in range(m.num_tokens(seq))]
+        return [self.data[table[p // BS]][p % BS] for p in range(m.first_stored_position(seq), m.num_tokens(seq))]
 
 
 class LlamaStorage:
@@ -430,10 +431,13 @@ def check_invariants(d: Driver):
     holders = [0] * m.num_blocks
     for s in m.seq_ids():
         table, tokens = m.block_table(s), m.token_ids(s)
-        assert len(table) == -(-len(tokens) // BS) and len(set(table)) == len(table)
-        for b in table:
+        first = m.first_stored_position(s)
+        held = [b for b in table if b != NULL_BLOCK]
+        assert len(table) == -(-len(tokens) // BS) and len(set(held)) == len(held)
+        assert table[:first // BS] == (NULL_BLOCK,) * (first // BS) and len(held) == len(table) - first // BS
+        for b in held:
             holders[b] += 1
-        assert d.storage.tokens_of(m, s) == list(tokens), f"sequence {s} reads wrong KV"
+        assert d.storage.tokens_of(m, s) == list(tokens)[first:], f"sequence {s} reads wrong KV"
     assert refs(m) == holders
     retained_blocks = {b for t in m.retained().values() for b in t}
     if m.per_sequence_storage:
@@ -509,3 +513,99 @@ def test_random_ops_keep_invariants(hash_fn, per_sequence_storage, retain):
     # A per-sequence storage evicts only what it retains.
     assert (counts["evict"] > 20) == (not per_sequence_storage or retain > 0), counts
     assert (counts["retained_hit"] > 20) == (retain > 0), counts
+
+
+# ------------------------------------------------------------------------------- sliding window
+W = 6  # a query at position q sees q-5 .. q
+
+
+def window_bound(start: int) -> set[int]:
+    """Block indices a sequence may hold right after an append whose first new token is at `start`:
+    every block that still overlaps the window of that token, [start - W + 1, start]."""
+    return {i for i in range(start // BS + 8) if (i + 1) * BS > start - W + 1}
+
+
+def test_window_drops_blocks_behind_it_and_holds_a_flat_number():
+    d = Driver(8, builtin_block_hash, sliding_window=W)
+    m = d.m
+    assert d.allocate("A", [1, 2, 3, 4, 5]).block_ids == (0, 1)
+    m.mark_computed("A")
+    held = []
+    for t in range(40):
+        start = m.num_tokens("A")
+        plan = d.append("A", [t])
+        m.mark_computed("A")
+        table = plan.block_ids
+        assert {i for i, b in enumerate(table) if b != NULL_BLOCK} <= window_bound(start)
+        held.append(m.num_held_blocks("A"))
+    # Positions 4..8 need blocks 1 and 2; block 0 (positions 0..3) goes when the query reaches 9.
+    assert m.block_table("A")[:3] == (NULL_BLOCK,) * 3
+    assert max(held) == 3 == -(-(W - 1) // BS) + 1 and held[-1] <= 3
+    assert m.stats().num_used == m.num_held_blocks("A")  # the pool agrees: nothing else is held
+    assert d.storage.tokens_of(m, "A") == list(m.token_ids("A"))[m.first_stored_position("A"):]
+
+
+def test_window_exact_block_ids_and_cached_blocks_still_hit():
+    d = Driver(6, builtin_block_hash, sliding_window=W)
+    m = d.m
+    prompt = list(range(100, 109))  # 9 tokens: blocks 0, 1 full, block 2 partial
+    assert d.allocate("A", prompt).block_ids == (0, 1, 2)
+    assert m.mark_computed("A") == 2
+    # The next query sits at 9 and sees 4..9: block 0 (0..3) is dropped, and stays cached.
+    plan = d.append("A", [109])
+    assert plan.block_ids == (NULL_BLOCK, 1, 2) and plan.slot_mapping == (9,)
+    assert m.pool.ref_count(0) == 0 and m.stats().num_cached == 1 and m.first_stored_position("A") == 4
+    # Another prompt with the same first block takes it from the cache (its own window needs it).
+    b = d.allocate("B", prompt[:4] + [7, 7])
+    assert (b.cached_block_ids, b.num_cached_tokens) == ((0,), 4)
+    d.free("B")
+    d.free("A")
+    assert m.stats().num_used == 0 and m.stats().num_free == 6
+
+
+def test_window_room_counts_the_blocks_an_append_drops():
+    # Three blocks are all a window of 6 ever needs: the sequence runs forever in them.
+    d = Driver(3, builtin_block_hash, sliding_window=W)
+    m = d.m
+    d.allocate("A", [1, 2, 3])
+    m.mark_computed("A")
+    for t in range(30):
+        assert m.can_append("A", 1)
+        assert d.append("A", [t]), f"no room at token {t}"
+        m.mark_computed("A")
+    # A dropped block that another sequence still holds is no room.
+    d2 = Driver(3, builtin_block_hash, sliding_window=W)
+    d2.allocate("A", list(range(8)))
+    d2.m.mark_computed("A")
+    d2.append("A", [8])
+    d2.m.mark_computed("A")
+    d2.fork("A", "B")  # B shares blocks 0, 1 and the partial block 2: the pool is full
+    # A's query at 9 no longer needs block 0, but B holds it; the shared block 2 needs a copy: no room.
+    assert d2.append("A", [9]) == NoRoom(1, 0)
+    d2.free("B")
+    assert d2.append("A", [9]).block_ids == (NULL_BLOCK, 1, 2) and d2.m.stats().num_used == 2
+
+
+def test_window_truncate_behind_it_is_refused_and_fork_keeps_nulls():
+    d = Driver(8, builtin_block_hash, sliding_window=W)
+    m = d.m
+    d.allocate("A", list(range(12)))
+    m.mark_computed("A")
+    d.append("A", [12])  # query at 12 sees 7..12: blocks 0 is dropped (0..3); block 1 (4..7) stays
+    m.mark_computed("A")
+    assert m.block_table("A")[0] == NULL_BLOCK and m.first_stored_position("A") == 4
+    with pytest.raises(ValueError, match="behind the sliding window"):
+        m.truncate("A", 3)
+    assert d.truncate("A", 10).num_tokens == 10  # within what is stored: fine
+    d.fork("A", "B")
+    assert m.block_table("B") == m.block_table("A") and m.pool.ref_count(m.block_table("A")[1]) == 2
+    d.free("A")
+    d.free("B")
+    assert m.stats().num_used == 0
+
+
+def test_window_needs_a_block_pool_storage():
+    with pytest.raises(UserError, match="sliding window needs a block-tensor storage"):
+        PagedKVManager(8, BS, per_sequence_storage=True, sliding_window=W)
+    with pytest.raises(UserError, match="at least 1 token"):
+        PagedKVManager(8, BS, sliding_window=0)

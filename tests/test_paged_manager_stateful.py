@@ -1,7 +1,7 @@
 """The paged-KV manager under any order of operations (issue 17): a Hypothesis state machine allocates
 (with prefix hits), appends (copy-on-write), marks computed, forks, rolls back, preempts and readmits,
 and frees, on a tensor-pool storage and on llama.cpp-style per-sequence storage, and checks after every
-step the invariants of tests/test_paged_manager.py (reference counts, free + used = total, every
+step (with and without a sliding window) the invariants of tests/test_paged_manager.py (reference counts, free + used = total, every
 sequence reads back its own tokens, cached blocks hold what their hash says) plus: a step writes only
 into blocks its sequence alone holds (shared blocks are read-only), a "no room" answer changes nothing,
 and once every sequence has ended no block is held.
@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from edgefinfer.runtime.kv.block_pool import builtin_block_hash
-from edgefinfer.runtime.kv.paged_manager import NoRoom
+from edgefinfer.runtime.kv.paged_manager import NULL_BLOCK, NoRoom
 from tests.test_paged_manager import BS, Driver, check_invariants, refs, snapshot
 
 # Three 12-token prompts over a 4-token alphabet: prompts cut from them share whole blocks.
@@ -28,11 +28,14 @@ class PagedKVMachine(RuleBasedStateMachine):
         self.preempted: dict[int, list[int]] = {}  # seq id -> its tokens, to be recomputed on readmission
         self.counts = {"hit": 0, "cow": 0, "noroom": 0}
 
-    @initialize(num_blocks=st.integers(3, 16), per_sequence_storage=st.booleans(), retain=st.sampled_from([0, 1, 3]))
-    def pool(self, num_blocks: int, per_sequence_storage: bool, retain: int) -> None:
+    @initialize(num_blocks=st.integers(3, 16), per_sequence_storage=st.booleans(), retain=st.sampled_from([0, 1, 3]),
+                window=st.sampled_from([None, None, 5, 9]))
+    def pool(self, num_blocks: int, per_sequence_storage: bool, retain: int, window: int | None) -> None:
+        window = None if per_sequence_storage else window  # a sliding window needs a block pool
         self.d = Driver(num_blocks, builtin_block_hash, per_sequence_storage=per_sequence_storage,
-                        retain_prefixes=retain)
+                        retain_prefixes=retain, sliding_window=window)
         self.m = self.d.m
+        self.window = window
 
     # ------------------------------------------------------------------ helpers
     def live(self) -> list[int]:
@@ -51,7 +54,10 @@ class PagedKVMachine(RuleBasedStateMachine):
             assert snapshot(self.m) == before
             self.counts["noroom"] += 1
             return plan
-        others = {b for s in self.live() if s != seq for b in self.m.block_table(s)}
+        others = {b for s in self.live() if s != seq for b in self.m.block_table(s)} - {NULL_BLOCK}
+        if self.window is not None and call == self.d.append:  # nothing behind the first new token's window
+            assert all(b == NULL_BLOCK for i, b in enumerate(plan.block_ids)
+                       if (i + 1) * BS <= plan.start_pos - self.window + 1)
         for slot in plan.slot_mapping:
             block = slot // BS
             assert block in self.m.block_table(seq) and block not in others, f"block {block} is shared"
@@ -92,7 +98,8 @@ class PagedKVMachine(RuleBasedStateMachine):
     @rule(index=st.integers(0, 63), keep=st.floats(0, 1))
     def rollback(self, index: int, keep: float) -> None:
         s = self.pick(index)
-        self.d.truncate(s, round(self.m.num_tokens(s) * keep))
+        n = self.m.num_tokens(s)  # a rollback never reaches behind the window (the scheduler's drafts)
+        self.d.truncate(s, max(round(n * keep), min(self.m.first_stored_position(s), n)))
 
     @precondition(lambda self: any(True for _ in self.m.seq_ids()))
     @rule(index=st.integers(0, 63))

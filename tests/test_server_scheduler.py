@@ -276,3 +276,46 @@ def test_logprobs_match_log_softmax(model, tokenizer):
         assert lp.token_id == int(ref.argmax()) and lp.logprob == pytest.approx(float(ref.max()), abs=1e-5)
         assert [t for t, _ in lp.top] == ref.topk(3).indices.tolist()
         assert np.allclose([v for _, v in lp.top], ref.topk(3).values.numpy(), atol=1e-5)
+
+
+# ------------------------------------------------------------------------------- sliding window
+WINDOW = 10  # tokens; with blocks of 4, a window overlaps at most 4 blocks
+
+
+@pytest.mark.parametrize("lookup", [False, True], ids=["plain", "prompt-lookup"])
+def test_sliding_window_model_keeps_kv_flat_and_equals_the_ring_cache(tokenizer, lookup):
+    # A Mistral-style model (sliding_window 10) served by the torch executor: the manager drops the
+    # blocks behind the window, so past it every sequence holds a flat number of blocks; the tokens
+    # equal what `edgefinfer run --kv window:10` gives (the runtime's ring cache, runtime/kv/window.py).
+    from edgefinfer.runtime.backends.torch_eager import TorchBackend
+    from edgefinfer.runtime.decode import generate_tokens
+
+    model = tiny_model(seed=4, sliding_window=WINDOW)
+    k = 3
+    spec = (SpeculationConfig(lambda seq_id: PromptLookupProposer(max_ngram=2), k_max=k, adaptive=False)
+            if lookup else None)
+    engine = make_engine(model, tokenizer, speculation=spec)  # not started: stepped by the test
+    sched, executor = engine.scheduler, engine.executor
+    prompts = [[5, 6, 7, 8] * 3, prompts_of([23], seed=2)[0]]  # one short, one longer than the window
+    for i, p in enumerate(prompts):
+        sched.add(Request(f"w{i}", p, GenerationParams(max_tokens=60, ignore_eos=True), lambda out: None))
+    seqs = list(sched.waiting)
+    prompt_len = {s.seq_id: len(p) for s, p in zip(seqs, prompts)}
+    held: dict[int, list[int]] = {s.seq_id: [] for s in seqs}
+    accepted = 0
+    while sched.has_work():
+        plan = sched.schedule()
+        for w in plan.work:
+            if w.start_pos >= prompt_len[w.seq_id] + WINDOW:  # decoding, past the window
+                held[w.seq_id].append(engine.manager.num_held_blocks(w.seq_id))
+        accepted += sched.update(plan, executor.execute(plan))[1].accepted
+    # The window of the first new token plus up to k drafts: at most ceil((WINDOW + k) / 4) + 1 blocks.
+    bound = -(-(WINDOW + (k if lookup else 0)) // BS) + 1
+    for s in seqs:
+        assert len(held[s.seq_id]) > (10 if lookup else 40) and max(held[s.seq_id]) <= bound, held[s.seq_id]
+    assert engine.manager.stats().num_used == 0
+    for s, p in zip(seqs, prompts):
+        ring = TorchBackend(model, window=WINDOW)  # what `--kv window:N` opens for a checkpoint
+        assert s.tokens[len(p):] == list(generate_tokens(ring, p, 60)), f"prompt of {len(p)} tokens"
+        assert s.tokens[len(p):] == eager(model, p, 60)  # the full cache under the model's own mask
+    assert (accepted > 0) == lookup

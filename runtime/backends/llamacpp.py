@@ -31,6 +31,7 @@ class LlamaCppBackend:
             raise UserError("the llama.cpp backend has no sliding-window cache here; use the torch, "
                             "ExecuTorch or ONNX backend for --kv window")
         self.model = LlamaModel(gguf_path)
+        self.model.check_window(n_ctx, "--max-seq-len")
         cores = os.cpu_count() or 1
         # F32 KV keeps llama.cpp's cache from adding f16 rounding on top of the weights' own. Without
         # `threads`, llama-cpp-python's defaults (which this backend used before): half the cores for

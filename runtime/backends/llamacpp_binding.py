@@ -78,6 +78,29 @@ class LlamaModel:
         self.vocab = lib.llama_model_get_vocab(self.ptr)
         self.vocab_size = lib.llama_vocab_n_tokens(self.vocab)
         self.n_ctx_train = lib.llama_model_n_ctx_train(self.ptr)
+        # A window the GGUF declares but llama.cpp does not apply: the pinned llama.cpp reads
+        # `<arch>.attention.sliding_window` only for architectures with their own windowed layers
+        # (gemma2/3, cohere2, ...), never for `llama`, so a Mistral-style model would attend to the
+        # whole context there.
+        declared = self.meta("general.architecture")
+        window = self.meta(f"{declared}.attention.sliding_window") if declared else None
+        self.ignored_window = (int(window) if window and window.isdigit() and int(window) > 0
+                               and lib.llama_model_n_swa(self.ptr) == 0 else None)
+
+    def meta(self, key: str) -> str | None:
+        """A GGUF metadata value as text (None if absent)."""
+        buf = ctypes.create_string_buffer(256)
+        n = self.lib.llama_model_meta_val_str(self.ptr, key.encode(), buf, len(buf))
+        return buf.value.decode(errors="replace") if n >= 0 else None
+
+    def check_window(self, n_ctx: int, option: str) -> None:
+        """Refuse a context longer than a window llama.cpp would ignore: past it, the outputs would
+        no longer be the model's."""
+        if self.ignored_window is not None and n_ctx > self.ignored_window:
+            raise UserError(f"{self.path.name} has a sliding window of {self.ignored_window} tokens, which "
+                            f"llama.cpp does not apply to this architecture (it would attend to the whole "
+                            f"context); pass {option} {self.ignored_window} or less, or run the checkpoint "
+                            f"on the torch backend")
 
     def tokenize(self, text: str) -> list[int] | None:
         """llama.cpp's own split of `text` (no BOS, special tokens parsed), or None if it fails."""

@@ -25,7 +25,8 @@ class PagedTorchBackend:
         self.vocab_size = model.config.vocab_size
         self.max_seq_len = max_seq_len or model.config.max_position_embeddings
         num_blocks = -(-self.max_seq_len // block_size)
-        self.manager = PagedKVManager(num_blocks, block_size)
+        # A sliding-window model: the manager drops the blocks behind the window as the sequence grows.
+        self.manager = PagedKVManager(num_blocks, block_size, sliding_window=model.config.sliding_window)
         self.storage = PagedTensorStorage(model.config, num_blocks, block_size,
                                           dtype=next(model.parameters()).dtype)
 
@@ -56,8 +57,16 @@ class PagedTorchBackend:
         return logits.float().numpy()
 
     def rollback(self, length: int) -> None:
-        if SEQ in self.manager and length < self.manager.num_tokens(SEQ):
-            self.manager.truncate(SEQ, length).apply_to(self.storage)
+        if SEQ not in self.manager or length >= self.manager.num_tokens(SEQ):
+            return
+        if length < self.manager.first_stored_position(SEQ):
+            # The window dropped positions this prefix needs: recompute it (the manager kept the ids).
+            kept = list(self.manager.token_ids(SEQ)[:length])
+            self.reset()
+            if kept:
+                self.forward(kept, 0)
+            return
+        self.manager.truncate(SEQ, length).apply_to(self.storage)
 
     def reset(self) -> None:
         if SEQ in self.manager:

@@ -43,6 +43,16 @@ Rules, each with its reason:
   block is held by a retained prefix and every block of a retained prefix is cached or in use: the
   manager's free count stays the storage's real free memory, which is what lets llama.cpp's
   unified cell pool be sized and admitted by the manager alone.
+- With a sliding window of W tokens (`sliding_window`, Mistral's rule: a query at position q sees
+  q-W+1 .. q), `append` first drops the blocks that lie wholly before the window of its first new
+  token (vLLM's `remove_skipped_blocks`): their block-table entries become `NULL_BLOCK`, and the
+  blocks go back to the pool (a cached one stays cached, so other prompts can still hit it). Every
+  token before `append`'s first new position is committed (rejected drafts were truncated first),
+  and every later query sits at or after it, so a dropped block is never read again; a sequence
+  therefore holds at most ceil((W - 1) / block_size) + 1 blocks plus those of its new tokens, however
+  long it grows. `truncate` into the dropped part raises: those positions must be recomputed.
+  A whole prompt is allocated before its first forward, so a prompt longer than the window holds
+  its blocks until its first decode step.
 
 Calling a method with an unknown or duplicate sequence id, or out-of-range lengths, is a bug in the
 caller and raises ValueError.
@@ -63,6 +73,9 @@ if TYPE_CHECKING:
     from edgefinfer.runtime.kv.storage import KVStorage
 
 SeqId = Hashable
+# The block-table entry of a block dropped behind a sliding window: its positions keep their index
+# (block i still stands for positions [i * block_size, (i + 1) * block_size)), no storage behind it.
+NULL_BLOCK = -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,15 +253,25 @@ class PagedKVManager:
     retain_blocks:         at most this many distinct blocks in retained prefixes (None: no limit
                            but the pool). For storages whose reads cost grows with what they hold
                            (llama.cpp's unified cache attends over every cell, masked).
+    sliding_window:        the model attends to the last this many positions only; blocks behind
+                           every future query's window are dropped (see the module doc).
     """
 
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
                  per_sequence_storage: bool = False, hash_fn: BlockHashFn = sha256_block_hash,
-                 retain_prefixes: int = 0, retain_blocks: int | None = None):
+                 retain_prefixes: int = 0, retain_blocks: int | None = None,
+                 sliding_window: int | None = None):
         if block_size < 1:
             raise UserError(f"block_size must be at least 1 token, got {block_size}; 16 is a common choice")
         if retain_prefixes < 0 or (retain_blocks is not None and retain_blocks < 0):
             raise UserError(f"retain_prefixes and retain_blocks must be >= 0, got {retain_prefixes} and {retain_blocks}")
+        if sliding_window is not None and sliding_window < 1:
+            raise UserError(f"sliding_window must be at least 1 token, got {sliding_window}")
+        if sliding_window is not None and per_sequence_storage:
+            # llama.cpp keeps a sequence's cells itself; its own windowed cache would have to drop them.
+            raise UserError("a sliding window needs a block-tensor storage (the torch executor); "
+                            "a per-sequence storage (llama.cpp) keeps every cell of a sequence")
+        self.sliding_window = sliding_window
         self.retain_blocks = retain_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -287,6 +310,19 @@ class PagedKVManager:
     def num_computed_tokens(self, seq_id: SeqId) -> int:
         return self._get(seq_id).num_computed
 
+    def num_held_blocks(self, seq_id: SeqId) -> int:
+        """Blocks the sequence holds (its table less the `NULL_BLOCK`s a sliding window dropped)."""
+        return sum(b != NULL_BLOCK for b in self._get(seq_id).block_ids)
+
+    def first_stored_position(self, seq_id: SeqId) -> int:
+        """The first position whose KV the sequence still holds (0 unless a sliding window dropped
+        blocks); truncating below it is refused."""
+        table = self._get(seq_id).block_ids
+        n = 0
+        while n < len(table) and table[n] == NULL_BLOCK:
+            n += 1
+        return n * self.block_size
+
     def stats(self) -> KVStats:
         p = self.pool
         return KVStats(p.num_blocks, p.num_used, p.num_free, p.num_cached, self._prefix_queries, self._prefix_hits,
@@ -302,7 +338,8 @@ class PagedKVManager:
         return _cdiv(num_tokens, self.block_size) <= self.pool.num_free
 
     def can_append(self, seq_id: SeqId, num_tokens: int) -> bool:
-        return self._append_cost(self._get(seq_id), num_tokens)[0] <= self.pool.num_free
+        seq = self._get(seq_id)
+        return self._append_cost(seq, num_tokens)[0] <= self.pool.num_free + self._num_reclaimable(seq)
 
     # ---------------------------------------------------------------- events
     def allocate(self, seq_id: SeqId, token_ids: Sequence[int]) -> SlotPlan | NoRoom:
@@ -340,10 +377,16 @@ class PagedKVManager:
         """Plan slots for tokens that extend a sequence (a decode token, or it and draft tokens)."""
         seq = self._get(seq_id)
         cost, cow = self._append_cost(seq, len(token_ids))
-        if cost > self.pool.num_free:
-            return NoRoom(cost, self.pool.num_free)
+        behind = self._behind_window(seq)
+        reclaimable = self._num_reclaimable(seq)
+        if cost > self.pool.num_free + reclaimable:
+            return NoRoom(cost, self.pool.num_free + reclaimable)
 
         start = len(seq.token_ids)
+        if behind:  # before take(): the dropped blocks are free room for this very append
+            self.pool.release([seq.block_ids[i] for i in behind])
+            for i in behind:
+                seq.block_ids[i] = NULL_BLOCK
         new, evicted, retained_ops = self._take(cost)
         copy_ops: tuple[CopyOp, ...] = ()
         if cow:
@@ -375,7 +418,8 @@ class PagedKVManager:
         for i in range(len(seq.block_hashes), n // bs):
             parent = seq.block_hashes[-1] if seq.block_hashes else None
             h = self._hash_fn(parent, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
-            registered += self.pool.register(seq.block_ids[i], h)
+            if seq.block_ids[i] != NULL_BLOCK:  # (only if appended before being marked computed)
+                registered += self.pool.register(seq.block_ids[i], h)
             seq.block_hashes.append(h)
         return registered
 
@@ -391,7 +435,7 @@ class PagedKVManager:
         if parent.num_computed < len(parent.token_ids):
             raise ValueError(f"sequence {parent_id!r}: fork after its {len(parent.token_ids)} tokens are "
                              f"computed (mark_computed), not at {parent.num_computed}")
-        self.pool.touch(parent.block_ids)
+        self.pool.touch([b for b in parent.block_ids if b != NULL_BLOCK])
         self._seqs[child_id] = _Seq(list(parent.token_ids), list(parent.block_ids), parent.num_computed,
                                     list(parent.block_hashes))
         return ForkEvent(parent_id, child_id, tuple(parent.block_ids), len(parent.token_ids))
@@ -407,6 +451,10 @@ class PagedKVManager:
         seq = self._get(seq_id)
         if not 0 <= num_tokens <= len(seq.token_ids):
             raise ValueError(f"sequence {seq_id!r}: truncate({num_tokens}) outside [0, {len(seq.token_ids)}]")
+        if num_tokens < len(seq.token_ids) and num_tokens < self.first_stored_position(seq_id):
+            raise ValueError(f"sequence {seq_id!r}: truncate({num_tokens}) reaches behind the sliding window "
+                             f"(positions before {self.first_stored_position(seq_id)} were dropped); free it "
+                             f"and allocate it again to recompute them")
         bs = self.block_size
         keep = _cdiv(num_tokens, bs)
         dropped = seq.block_ids[keep:]
@@ -424,9 +472,10 @@ class PagedKVManager:
         """Drop a finished or preempted sequence; its blocks are released tail first."""
         seq = self._get(seq_id)
         del self._seqs[seq_id]
-        cached = self.pool.release(seq.block_ids[::-1])
+        held = [b for b in seq.block_ids if b != NULL_BLOCK]
+        cached = self.pool.release(held[::-1])
         if not self.retain_prefixes:
-            return FreeEvent(seq_id, tuple(seq.block_ids), tuple(cached))
+            return FreeEvent(seq_id, tuple(held), tuple(cached))
         run = self._registered_run(seq)
         retained_as, dropped = None, []
         if self.retain_blocks is not None and len(run) > self.retain_blocks:
@@ -537,6 +586,19 @@ class PagedKVManager:
                 if n == len(hits):
                     break
         return best, best_n
+
+    def _behind_window(self, seq: _Seq) -> list[int]:
+        """Indices of held blocks wholly before the window of the next query (position
+        len(token_ids)): block i ends at (i + 1) * block_size - 1 < len - W + 1."""
+        if self.sliding_window is None:
+            return []
+        first_needed = len(seq.token_ids) - self.sliding_window + 1
+        n = max(first_needed, 0) // self.block_size
+        return [i for i in range(min(n, len(seq.block_ids))) if seq.block_ids[i] != NULL_BLOCK]
+
+    def _num_reclaimable(self, seq: _Seq) -> int:
+        """Blocks the next append frees by dropping what is behind the window (held by this sequence only)."""
+        return sum(self.pool.ref_count(seq.block_ids[i]) == 1 for i in self._behind_window(seq))
 
     def _append_cost(self, seq: _Seq, num_new: int) -> tuple[int, bool]:
         """(blocks to take, whether the first of them is a copy-on-write of the partial last block)."""

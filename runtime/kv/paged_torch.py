@@ -6,9 +6,10 @@ trash slot that absorbs the writes of padding tokens in a ragged batch.
 
 A forward over a ragged batch of sequences uses a `PagedBatch` as its KV cache (the `KVCache`
 protocol of `edgefinfer.cache`): it writes each row's new tokens at their slots and gathers each
-row's keys through its block table. Key slot t of row b holds position t (blocks are in position
-order), and slots at or past the row's length are marked empty, so the model's usual
-position-derived mask is exactly causal attention over the sequence, with no special kernel.
+row's keys through its block table. Each key slot carries its position (from its block's index in
+the table), and slots at or past the row's length are marked empty, so the model's usual
+position-derived mask is exactly causal (or sliding-window) attention over the sequence, with no
+special kernel.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 from torch import Tensor
 
 from edgefinfer.config import ModelConfig
-from edgefinfer.runtime.kv.paged_manager import CopyOp, SeqId
+from edgefinfer.runtime.kv.paged_manager import NULL_BLOCK, CopyOp, SeqId
 
 
 class PagedTensorStorage:
@@ -73,22 +74,32 @@ class BatchRow:
 
 
 class PagedBatch:
-    """A `KVCache` for one forward over a ragged batch (rows padded to the longest new-token count)."""
+    """A `KVCache` for one forward over a ragged batch (rows padded to the longest new-token count).
+
+    Each row gathers the blocks its table holds, in table order; a `NULL_BLOCK` (dropped behind a
+    sliding window) is skipped, so the keys read, like the memory held, stay bounded by the window.
+    Key positions come from each block's index in the table, so the model's position-derived mask
+    (causal, and the model's own window) applies unchanged.
+    """
 
     def __init__(self, storage: PagedTensorStorage, rows: Sequence[BatchRow], num_new: int):
         self.storage = storage
         bs = storage.block_size
         B = len(rows)
-        max_blocks = max(len(r.block_table) for r in rows)
+        held = [[(i, b) for i, b in enumerate(r.block_table) if b != NULL_BLOCK] for r in rows]
+        max_blocks = max(len(h) for h in held)
         slots = torch.full((B, num_new), storage.trash_slot, dtype=torch.long)
         gather = torch.full((B, max_blocks * bs), storage.trash_slot, dtype=torch.long)
         key_pos = torch.full((B, max_blocks * bs), -1, dtype=torch.long)
-        for b, row in enumerate(rows):
+        offsets = torch.arange(bs)
+        for b, (row, blocks) in enumerate(zip(rows, held)):
             slots[b, : len(row.slot_mapping)] = torch.tensor(list(row.slot_mapping), dtype=torch.long)
-            table = torch.tensor(list(row.block_table), dtype=torch.long)
-            flat = (table[:, None] * bs + torch.arange(bs)).flatten()  # [n_blocks * bs] in position order
+            index = torch.tensor([i for i, _ in blocks], dtype=torch.long)
+            table = torch.tensor([blk for _, blk in blocks], dtype=torch.long)
+            flat = (table[:, None] * bs + offsets).flatten()  # [n_held * bs] in position order
+            pos = (index[:, None] * bs + offsets).flatten()
             gather[b, : flat.numel()] = flat
-            key_pos[b, : row.seq_len] = torch.arange(row.seq_len)
+            key_pos[b, : pos.numel()] = torch.where(pos < row.seq_len, pos, -1)
         device = storage.k.device
         self.slots = slots.to(device)  # [B, S]
         self.gather = gather.to(device)  # [B, T]
