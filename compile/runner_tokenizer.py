@@ -35,6 +35,7 @@ import contextlib
 import copy
 import json
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Literal
@@ -216,7 +217,7 @@ def load_runner_tokenizer(tokenizer_json: dict[str, Any] | str | Path):
     """pytorch_tokenizers' C++ HFTokenizer (the library ExecuTorch's runners link) loaded with a file."""
     try:
         with quiet_native_stderr():
-            from pytorch_tokenizers import CppHFTokenizer
+            CppHFTokenizer = _cpp_tokenizer_class()
     except ImportError:
         raise UserError("pytorch_tokenizers (installed with executorch==1.5.1) is needed to check the tokenizer "
                         "ExecuTorch's runner will use: pip install 'edgefinfer[compile]'") from None
@@ -231,6 +232,22 @@ def load_runner_tokenizer(tokenizer_json: dict[str, Any] | str | Path):
         with quiet_native_stderr():
             tok.load(str(path))
     return tok
+
+
+def _cpp_tokenizer_class():
+    """pytorch_tokenizers' C++ HFTokenizer, its extension loaded with RTLD_DEEPBIND: it carries its own
+    RE2, and onnxruntime-qnn's HTP library (libQnnHtp.so, loaded by any QNN session) exports another,
+    incompatible RE2 into the process. Bound the default way, a tokenizer loaded after a QNN session
+    calls into QNN's copy and the process dies (seen: SIGSEGV in re2::Prog::~Prog from libQnnHtp.so
+    while loading SmolLM2's tokenizer.json). Deep binding makes the extension use its own copy first.
+    (Only the first import decides; later ones reuse the loaded module.)"""
+    flags = sys.getdlopenflags()
+    sys.setdlopenflags(flags | getattr(os, "RTLD_DEEPBIND", 0))
+    try:
+        from pytorch_tokenizers import CppHFTokenizer
+    finally:
+        sys.setdlopenflags(flags)
+    return CppHFTokenizer
 
 
 @contextlib.contextmanager

@@ -210,3 +210,28 @@ def test_socs():
     assert (get_soc("SM8650").htp_arch, get_soc("sm-8750").soc_model) == (75, 69)
     with pytest.raises(UserError, match="unknown Qualcomm SoC 'sm9999'.*sm8650 \\(Snapdragon 8 Gen 3, v75\\)"):
         get_soc("sm9999")
+
+
+@pytest.mark.skipif(not HAS_QNN, reason="needs onnxruntime-qnn")
+def test_executorch_tokenizer_check_survives_a_qnn_session_in_the_same_process(tmp_path, smollm2_dir):
+    """libQnnHtp.so exports its own RE2 into the process; pytorch_tokenizers' C++ tokenizer loaded
+    after a QNN session used to call into it and die with SIGSEGV (re2::Prog::~Prog) on SmolLM2's
+    tokenizer.json. A child process, so that a crash fails this test instead of the whole run."""
+    import subprocess
+
+    script = f"""
+import numpy as np
+from edgefinfer.compile.qnn import build_qnn
+from edgefinfer.compile.runner_tokenizer import load_runner_tokenizer
+from edgefinfer.runtime.backends.ort import attention_sink, open_qnn, recorded_feeds
+from tests.helpers import tiny_model
+meta = build_qnn(tiny_model(vocab_size={VOCAB}, max_position_embeddings=64), {str(tmp_path)!r}, soc="sm8650",
+                 context=16, chunk=4, scheme="a16w8", record_feeds=recorded_feeds, sink_of=attention_sink)
+open_qnn({str(tmp_path)!r}, meta, ep="qnn").forward([1, 2, 3], 0)  # loads libQnnHtp.so
+tok = load_runner_tokenizer({str(smollm2_dir / "tokenizer.json")!r})
+print("encoded", list(tok.encode("The capital of France is", 0, 0)))
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    assert proc.stdout.strip().endswith("encoded []")  # it loads, and keeps its known digit-split bug
