@@ -52,8 +52,11 @@ demo: venv-runtime
 	$(BIN)/edgefinfer build --target android -o dist/android
 	$(BIN)/edgefinfer run dist/android --chat --max-tokens 48 -p "What is the capital of France? Answer in one sentence."
 
+# One test file per worker (module fixtures such as a lowered .pte stay within one process); a worker
+# that crashes ends the run instead of being replaced.
+TEST_WORKERS ?= 2
 test: venv-dev
-	$(BIN)/python -m pytest -q -ra
+	$(BIN)/python -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile --max-worker-restart 0
 
 clean:
 	rm -rf $(VENV) build *.egg-info
