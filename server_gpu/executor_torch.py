@@ -3,8 +3,9 @@
 It is the reference implementation of the executor contract: the attention reads each sequence's
 keys through its block table (`PagedBatch`), so prefix sharing, forks and copy-on-write are exactly
 what the paged-KV manager planned. A sliding-window model (Mistral-style `sliding_window`) has the
-manager drop the blocks behind the window, so each sequence's KV stays bounded however long it runs. Rows of a step are grouped by how many tokens they feed, and each
-group runs as one padded forward, so a 256-token prompt chunk does not pad 31 decode rows to 256.
+manager drop the blocks behind the window, so each sequence's KV stays bounded however long it runs.
+Rows of a step are grouped by how many tokens they feed, and each group runs as one padded forward,
+so a 256-token prompt chunk does not pad 31 decode rows to 256.
 Only the rows that need logits go through the LM head.
 """
 

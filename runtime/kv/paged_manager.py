@@ -339,7 +339,8 @@ class PagedKVManager:
 
     def can_append(self, seq_id: SeqId, num_tokens: int) -> bool:
         seq = self._get(seq_id)
-        return self._append_cost(seq, num_tokens)[0] <= self.pool.num_free + self._num_reclaimable(seq)
+        return (self._append_cost(seq, num_tokens)[0]
+                <= self.pool.num_free + self._num_reclaimable(seq, self._behind_window(seq)))
 
     # ---------------------------------------------------------------- events
     def allocate(self, seq_id: SeqId, token_ids: Sequence[int]) -> SlotPlan | NoRoom:
@@ -378,7 +379,7 @@ class PagedKVManager:
         seq = self._get(seq_id)
         cost, cow = self._append_cost(seq, len(token_ids))
         behind = self._behind_window(seq)
-        reclaimable = self._num_reclaimable(seq)
+        reclaimable = self._num_reclaimable(seq, behind)
         if cost > self.pool.num_free + reclaimable:
             return NoRoom(cost, self.pool.num_free + reclaimable)
 
@@ -596,9 +597,10 @@ class PagedKVManager:
         n = max(first_needed, 0) // self.block_size
         return [i for i in range(min(n, len(seq.block_ids))) if seq.block_ids[i] != NULL_BLOCK]
 
-    def _num_reclaimable(self, seq: _Seq) -> int:
-        """Blocks the next append frees by dropping what is behind the window (held by this sequence only)."""
-        return sum(self.pool.ref_count(seq.block_ids[i]) == 1 for i in self._behind_window(seq))
+    def _num_reclaimable(self, seq: _Seq, behind: list[int]) -> int:
+        """Of the blocks behind the window (`_behind_window`), those dropping them frees: the ones
+        this sequence alone holds."""
+        return sum(self.pool.ref_count(seq.block_ids[i]) == 1 for i in behind)
 
     def _append_cost(self, seq: _Seq, num_new: int) -> tuple[int, bool]:
         """(blocks to take, whether the first of them is a copy-on-write of the partial last block)."""
