@@ -165,27 +165,42 @@ class ServerProcess:
 
 
 # ------------------------------------------------------------------------------------- client
+RETRIES = 2  # the openai client's default max_retries
+
+
 async def one_request(client: httpx.AsyncClient, server: ServerProcess, prompt: str, max_tokens: int) -> dict:
     # Greedy, no repetition penalty (llama_cpp.server applies 1.1 by default) and end-of-sequence
     # tokens banned: every server then generates the very same tokens, max_tokens of them.
     body = {"model": "model", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "repeat_penalty": 1.0, "logit_bias": {str(t): -100 for t in BANNED}, **server.body}
-    t0 = time.perf_counter()
-    first = last = None
-    text = ""
-    async with client.stream("POST", server.url + "/v1/completions", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            delta = "".join(c.get("text") or "" for c in chunk.get("choices", []))
-            if delta:
-                last = time.perf_counter() - t0
-                first = last if first is None else first
-            text += delta
-    end = time.perf_counter() - t0
-    return {"ttft": first if first is not None else end, "last": last if last is not None else end, "text": text}
+    for attempt in range(RETRIES + 1):
+        t0 = time.perf_counter()
+        first = last = None
+        text = ""
+        try:
+            async with client.stream("POST", server.url + "/v1/completions", json=body) as r:
+                r.raise_for_status()
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    delta = "".join(c.get("text") or "" for c in chunk.get("choices", []))
+                    if delta:
+                        last = time.perf_counter() - t0
+                        first = last if first is None else first
+                    text += delta
+        except httpx.RemoteProtocolError:
+            # llama-server sometimes closes a kept-alive connection just as the pool reuses it
+            # ("Server disconnected without sending a response"); like the openai client
+            # (max_retries=2), send again on a fresh connection. Only before any output: a stream
+            # cut midway is a failure. Retries are counted per run.
+            if text or attempt == RETRIES:
+                raise
+            continue
+        end = time.perf_counter() - t0
+        return {"ttft": first if first is not None else end, "last": last if last is not None else end,
+                "text": text, "retries": attempt}
+    raise AssertionError("unreachable")
 
 
 async def run_level(server: ServerProcess, prompts: list[str], concurrency: int, max_tokens: int) -> tuple[float, list]:
@@ -212,7 +227,8 @@ def measure(server: ServerProcess, work: Workload, concurrency: int, max_tokens:
     run = {"tok_s": round(sum(counts) / wall, 2), "ttft_p50_s": round(float(np.percentile(ttft, 50)), 3),
            "ttft_p99_s": round(float(np.percentile(ttft, 99)), 3),
            "itl_p50_s": round(float(np.median(itl)), 4) if itl else None,
-           "requests": len(results), "output_tokens": sum(counts), "wall_s": round(wall, 2)}
+           "requests": len(results), "output_tokens": sum(counts), "wall_s": round(wall, 2),
+           "retries": sum(r["retries"] for r in results)}
     print(f"  {work.name:<13} C={concurrency:<3} {server.label:<32} {run['tok_s']:8.1f} tok/s  TTFT p50 "
           f"{run['ttft_p50_s']:.3f}s p99 {run['ttft_p99_s']:.3f}s  ITL p50 {run['itl_p50_s']}", flush=True)
     return run
@@ -316,7 +332,7 @@ def median_row(key: tuple, runs: list[dict]) -> dict:
     return {"server": key[0], "config": key[1], "workload": key[2], "concurrency": key[3], **med,
             "itl_p50_s": round(statistics.median(itl), 4) if itl else None,
             "tok_s_min": min(r["tok_s"] for r in mine), "tok_s_max": max(r["tok_s"] for r in mine),
-            "runs": len(mine), "requests": mine[0]["requests"]}
+            "runs": len(mine), "requests": mine[0]["requests"], "retries": sum(r["retries"] for r in mine)}
 
 
 def main() -> None:
