@@ -121,6 +121,9 @@ class LlamaSeqStorage:
             self.ctx.remove(d, num_tokens)
 
 
+DEFAULT_RETAIN_TOKENS = 512  # unified layout: tokens kept in retained prefixes unless --retain-tokens says
+
+
 class LlamaCppExecutor:
     name = "llamacpp"
     per_sequence_storage = True
@@ -150,8 +153,12 @@ class LlamaCppExecutor:
             raise UserError(f"llama.cpp holds {limit + max_num_seqs} sequences per context: --max-num-seqs "
                             f"{max_num_seqs} leaves room for {max(limit, 0)} retained prefixes, not {retain_prefixes}")
         self.retain_prefixes = retain_prefixes
-        # Every cell of the unified pool is attended to (masked) by every token: retained cells cost
-        # compute, so they are capped too (None: only by the pool).
+        # Every token attends (masked) over the unified pool up to its highest used cell, so retained
+        # cells cost every step compute, and more than their number: one kept high in the pool keeps
+        # the attended extent there. Uncapped, bench/server.py's workloads ran at half speed after six
+        # runs (docs/SERVER.md); one system prompt's worth stays cheap.
+        if retain_tokens is None and retain_prefixes:
+            retain_tokens = DEFAULT_RETAIN_TOKENS
         self.retain_blocks = None if retain_tokens is None else retain_tokens // block_size
         num_slots = max_num_seqs + retain_prefixes
         self.ctx = LlamaContext(self.model, num_slots, max_model_len, unified=kv_unified, flash_attn=flash_attn,

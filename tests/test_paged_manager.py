@@ -384,11 +384,14 @@ def test_retained_blocks_are_capped():
     m.mark_computed("c")
     ev = d.free("c")
     assert [op.seq_id for op in ev.dropped] == [a] and list(m.retained()) == [b, ev.retained_as]
-    d.allocate("big", [4] * 16 + [0])  # 4 blocks alone: never kept, and it pushes nothing out for nothing
+    c = ev.retained_as
+    d.allocate("big", [4] * 16 + [0])  # 4 blocks alone: its first 3 stay (the tail goes first), the rest go
     m.mark_computed("big")
+    big_blocks = list(m.block_table("big"))
     big = d.free("big")
-    assert big.retained_as is None and big.dropped == () and list(m.retained()) == [b, ev.retained_as]
-    assert m.stats().num_cached == 2
+    assert big.retained_tokens == 3 * BS and [op.seq_id for op in big.dropped] == [b, c]
+    assert list(m.retained()) == [big.retained_as] and list(m.retained()[big.retained_as]) == big_blocks[:3]
+    assert m.stats().num_cached == 3
     check_invariants(d)
 
 

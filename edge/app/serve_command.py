@@ -43,7 +43,8 @@ from edgefinfer.app.entry_point import run_command
                    "their blocks are needed (default 64; 0 = off).")
 @click.option("--retain-tokens", type=click.IntRange(0), default=None,
               help="Unified layout: at most this many tokens in retained prefixes (llama.cpp attends over every "
-                   "cell of the pool, masked, so kept cells cost every step some compute; default: no cap).")
+                   "cell of the pool, masked, so kept cells cost every step some compute; default 512, one system "
+                   "prompt; a longer prefix keeps its head).")
 @click.option("--preemption", type=click.Choice(["recompute", "swap"]), default="recompute", show_default=True,
               help="When KV blocks run out: recompute the victim later, or park its KV in host memory (llama.cpp "
                    "with --kv-layout per-slot; restores it exactly).")

@@ -251,8 +251,9 @@ class PagedKVManager:
     retain_prefixes:       with `per_sequence_storage`, how many freed sequences' cached prefixes
                            the storage keeps (see the module doc); 0 keeps none.
     retain_blocks:         at most this many distinct blocks in retained prefixes (None: no limit
-                           but the pool). For storages whose reads cost grows with what they hold
-                           (llama.cpp's unified cache attends over every cell, masked).
+                           but the pool); a prefix longer than that alone keeps its head. For
+                           storages whose reads cost grows with what they hold (llama.cpp's unified
+                           cache attends over every cell, masked).
     sliding_window:        the model attends to the last this many positions only; blocks behind
                            every future query's window are dropped (see the module doc).
     """
@@ -479,8 +480,8 @@ class PagedKVManager:
             return FreeEvent(seq_id, tuple(held), tuple(cached))
         run = self._registered_run(seq)
         retained_as, dropped = None, []
-        if self.retain_blocks is not None and len(run) > self.retain_blocks:
-            run = []  # it alone is over the cap: keep it not, and push nothing out for it
+        if self.retain_blocks is not None:
+            run = run[:self.retain_blocks]  # over the cap alone: its head stays (tails go first, as in the pool)
         if run and not any(t[:len(run)] == run for t in self._retained.values()):
             retained_as = RetainedPrefix(next(self._retained_ids))
             self._retained[retained_as] = run
