@@ -1,7 +1,7 @@
 """Serving benchmark: edgefinfer's server vs llama.cpp's own `llama-server --parallel N` (and
 llama-cpp-python's `llama_cpp.server`), same GGUF, same client, same requests, same machine.
 
-    python bench/server.py            # the full run (about 25 minutes on 2 cores)
+    python bench/server.py            # the full run (about 20 minutes on 2 cores)
     python bench/server.py --quick    # about two minutes: one run each, fewer requests
 
 Peers, each in its own process with the same thread count and KV precision (f16, llama-server's
