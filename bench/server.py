@@ -164,6 +164,19 @@ class ServerProcess:
         return f"{self.name} [{self.config}]"
 
 
+# torch is imported by our server; one OpenMP thread keeps it from busy-waiting beside llama.cpp's
+# own threads (llama.cpp's thread count is set explicitly and is not affected).
+OURS_ENV = {"OMP_NUM_THREADS": "1"}
+
+
+def ours_argv(gguf: Path, port: int, threads: int, gpu_layers: int = 0) -> list[str]:
+    """`edgefinfer serve` with the settings every peer gets too (slots, context, f16 KV, threads)."""
+    return [sys.executable, "-m", "edgefinfer.app.serve_command", str(gguf), "--port", str(port),
+            "--threads", str(threads), "--max-num-seqs", str(SLOTS), "--max-model-len", str(SLOT_CTX),
+            "--kv-dtype", "f16", "--log-level", "warning", "--gpu-layers", str(gpu_layers),
+            "--served-model-name", "model"]
+
+
 # ------------------------------------------------------------------------------------- client
 RETRIES = 2  # the openai client's default max_retries
 
@@ -370,18 +383,13 @@ def main() -> None:
     args.repeats = args.repeats or (1 if args.quick else 3)
     max_tokens = args.max_tokens or (16 if args.quick else 48)
     binary = Path(args.llama_server) if args.llama_server else llama_server()
-    th, py = str(args.threads), sys.executable
-    # torch is imported by our server; one OpenMP thread keeps it from busy-waiting beside llama.cpp's
-    # own threads (llama.cpp's thread count is set explicitly and is not affected).
-    ours_env = {"OMP_NUM_THREADS": "1"}
+    th = str(args.threads)
 
     def ours(config: str) -> ServerProcess:
         port = free_port()
-        argv = [py, "-m", "edgefinfer.app.serve_command", str(gguf), "--port", str(port), "--threads", th,
-                "--max-num-seqs", str(SLOTS), "--max-model-len", str(SLOT_CTX), "--kv-dtype", "f16",
-                "--log-level", "warning", "--gpu-layers", str(args.gpu_layers), "--served-model-name", "model"]
+        argv = ours_argv(gguf, port, args.threads, args.gpu_layers)
         argv += ["--kv-layout", "unified" if config == "kv-unified" else "per-slot", *args.ours_args.split()]
-        return ServerProcess("edgefinfer", config, argv, port, env=ours_env)
+        return ServerProcess("edgefinfer", config, argv, port, env=OURS_ENV)
 
     def peer(config: str) -> ServerProcess:
         port = free_port()
@@ -397,7 +405,7 @@ def main() -> None:
 
     def llama_cpp_python() -> ServerProcess:
         port = free_port()
-        argv = [py, "-m", "llama_cpp.server", "--model", str(gguf), "--port", str(port), "--host", "127.0.0.1",
+        argv = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--port", str(port), "--host", "127.0.0.1",
                 "--n_threads", th, "--n_threads_batch", th, "--n_ctx", str(SLOT_CTX), "--verbose", "False",
                 "--model_alias", "model", "--interrupt_requests", "False", "--n_gpu_layers", str(args.gpu_layers)]
         return ServerProcess("llama_cpp.server", "default", argv, port)

@@ -27,17 +27,15 @@ SEQUENCE = ("shared-system", "short", "short", "shared-system", "short", "short"
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--threads", default="2")
+    ap.add_argument("--threads", type=int, default=2)
     args, serve_args = ap.parse_known_args()
     gguf = reference.gguf_path("smollm2-135m")
     tokenizer = tokenizer_from_gguf(open_gguf(gguf))
     by_name = {w.name: w for w in sb.workloads(tokenizer, quick=False)}
     port = sb.free_port()
-    argv = [sys.executable, "-m", "edgefinfer.app.serve_command", str(gguf), "--port", str(port),
-            "--threads", args.threads, "--max-num-seqs", str(sb.SLOTS), "--max-model-len", str(sb.SLOT_CTX),
-            "--kv-dtype", "f16", "--log-level", "warning", "--served-model-name", "model", *serve_args]
+    argv = sb.ours_argv(gguf, port, args.threads) + serve_args
     label = " ".join(serve_args) or "defaults"
-    with sb.ServerProcess("edgefinfer", label, argv, port, env={"OMP_NUM_THREADS": "1"}) as server:
+    with sb.ServerProcess("edgefinfer", label, argv, port, env=sb.OURS_ENV) as server:
         sb.warm_up(server)
         for i, name in enumerate(SEQUENCE):
             sb.measure(server, sb.fresh_prefix(by_name[name], i), 16, 48, tokenizer)
