@@ -21,7 +21,8 @@ mix), `bible` (KJV New Testament), `code` (requests' source); disjoint windows o
 
 Rows: float; int8 (per-channel, and g32 = GGUF Q8_0's layout); int4 RTN at g32, g64, g128; GPTQ at g32
 and g64, and its variants at g32 (without act-order, without true-sequential = `parallel`, with a
-damping sweep, calibrated on Austen only); AWQ with and without its clipping search; AWQ then GPTQ;
+damping sweep, calibrated on Austen only); AWQ with and without its clipping search, and with AutoAWQ's
+duo scaling and block-output objective (`autoawq`); AWQ then GPTQ;
 8da4w-g32 with RTN and GPTQ; rotated recipes (`-rot`, compile/quant/rotation.py). g128 does not
 divide SmolLM2's hidden size (576): that row is recorded as skipped with the reason. Each row: packed
 size (codes at their bit width, fp16 scales, zero points, float tensors at 2 bytes), perplexity on
@@ -60,6 +61,8 @@ VARIANTS = {
     "int4-gptq-g32 parallel": ("int4-gptq-g32", {"gptq": {"true_sequential": False}}),
     "int4-gptq-g32 damp-sweep": ("int4-gptq-g32", {"gptq": {"damp_grid": DAMP_GRID}}),
     "int4-gptq-g32 calib=austen": ("int4-gptq-g32", {"calib": "calib"}),
+    # AutoAWQ's duo scaling and block-output objective (compile/quant/awq.py), both off by default.
+    "int4-awq-g32 autoawq": ("int4-awq-g32", {"awq": {"duo": True, "objective": "block"}}),
     # Not in the committed grid (time): combinations to try with --only.
     "int4-awq-gptq-g32 damp-sweep": ("int4-awq-gptq-g32", {"gptq": {"damp_grid": DAMP_GRID}}),
     "int4-gptq-g32-rot damp-sweep": ("int4-gptq-g32-rot", {"gptq": {"damp_grid": DAMP_GRID}}),
@@ -70,10 +73,11 @@ FZP_RECIPES = ["int4-g32-fzp", "int4-gptq-g32-fzp", "8da4w-g32-fzp", "int4-g32-f
 FULL_RECIPES = ["int8", "int8-g32", "int4-g32", "int4-g64", "int4-g128",
                 "int4-gptq-g32", "int4-gptq-g64", "int4-gptq-noact-g32",
                 "int4-gptq-g32 parallel", "int4-gptq-g32 damp-sweep", "int4-gptq-g32 calib=austen",
-                "int4-awq-noclip-g32", "int4-awq-g32", "int4-awq-gptq-g32",
+                "int4-awq-noclip-g32", "int4-awq-g32", "int4-awq-g32 autoawq", "int4-awq-gptq-g32",
                 "8da4w-g32", "8da4w-gptq-g32",
                 "int4-g32-rot", "int4-gptq-g32-rot", "int4-awq-gptq-g32-rot", "8da4w-gptq-g32-rot", *FZP_RECIPES]
-STUDENT_RECIPES = ["int8", "int4-g32", "int4-gptq-g32", "int4-awq-g32", "int4-awq-gptq-g32", "int4-g32-rot",
+STUDENT_RECIPES = ["int8", "int4-g32", "int4-gptq-g32", "int4-awq-g32", "int4-awq-g32 autoawq", "int4-awq-gptq-g32",
+                   "int4-g32-rot",
                    "int4-gptq-g32-rot", "int4-g32-fzp", "int4-gptq-g32-fzp", "8da4w-g32-fzp"]
 QUICK_RECIPES = ["int8", "int4-g32", "int4-gptq-g32"]
 
@@ -165,6 +169,8 @@ def make_recipe(name: str):
     recipe = parse_recipe(base)
     if "gptq" in changes:
         recipe = recipe.replace(gptq=dataclasses.replace(recipe.gptq, **changes["gptq"]))
+    if "awq" in changes:
+        recipe = recipe.replace(awq=dataclasses.replace(recipe.awq, **changes["awq"]))
     return recipe.replace(name=name), changes.get("calib", "calib-mix")
 
 

@@ -153,6 +153,11 @@ class GPTQSettings:
 @dataclass(frozen=True)
 class AWQSettings:
     grid: int = 20  # alpha in {0, 1/grid, ..., (grid-1)/grid}
+    # AutoAWQ's two departures from the paper, off by default: mixed on the reference model and worse
+    # on the student (bench/quantize.py's `int4-awq-g32 autoawq` rows; see compile/quant/awq.py):
+    duo: bool = False  # s = |x|^a / |w|^(1-a) (AutoAWQ's duo_scaling); False: the paper's s = |x|^a
+    objective: Literal["linear", "block"] = "linear"  # "block": q/k/v scored on the attention output and
+    # gate/up on the MLP output (AutoAWQ); "linear": on the consumers' own outputs (the paper)
     max_tokens: int = 1024  # calibration tokens (a uniform sample) used to score each candidate scaling
     clip: bool = True  # then search a clipping range per group (AutoAWQ's auto_clip)
     clip_grid: int = 20  # clip ratios 1, 1 - 1/clip_grid, ..., 1 - clip_max_shrink

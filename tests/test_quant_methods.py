@@ -8,12 +8,14 @@ import torch
 from torch import nn
 
 from edgefinfer.compile.quant.apply import plan_formats, quantize_model
-from edgefinfer.compile.quant.awq import apply_clip, fold_scale, scaling_groups, search_clip, search_scale
+from edgefinfer.compile.quant.awq import (apply_clip, block_objective, fold_scale, scaling_groups, search_clip,
+                                          search_scale, weight_mean_rel)
 from edgefinfer.compile.quant.gptq import gptq_damp_sweep, gptq_quantize, output_error
 from edgefinfer.compile.quant.modules import Fp8Linear, QuantEmbedding, QuantLinear, model_size_bytes
 from edgefinfer.compile.quant.primitives import dequantize_int, int_error_bound, quantize_int
 from edgefinfer.compile.quant.recipe import AWQSettings, GPTQSettings, WeightFormat, parse_recipe
 from edgefinfer.errors import UserError
+from edgefinfer.model import rope_cos_sin
 from tests.helpers import tiny_model
 
 
@@ -224,6 +226,61 @@ def _layer_output_error(model, reference, ids) -> float:
         h.remove()
     n = len(model.model.layers)
     return sum(((outs[("q", i)][0] - outs[("f", i)][0]) ** 2).mean().item() for i in range(n)) / n
+
+
+def test_weight_mean_rel_is_each_channels_share_of_its_group_range():
+    w = torch.tensor([[1.0, -2.0, 4.0, 0.0], [3.0, 3.0, -1.0, 1.0]])
+    fmt = WeightFormat("int", 4, 2, True)  # groups {0, 1} and {2, 3} of each row
+    rel = weight_mean_rel([w, w], [fmt, None])  # a float consumer does not count
+    assert torch.allclose(rel, torch.tensor([(0.5 + 1.0) / 2, (1.0 + 1.0) / 2, (1.0 + 1.0) / 2, (0.0 + 1.0) / 2]),
+                          atol=1e-5)
+
+
+def test_duo_scaling_searches_other_scales_and_is_never_worse_than_rtn():
+    x = correlated_inputs(512, 64)
+    ws = [torch.randn(32, 64), torch.randn(48, 64)]
+    fmt = WeightFormat("int", 4, 32, True)
+    s_paper, _, rtn = search_scale(x, x.abs().mean(0), ws, [fmt, fmt], AWQSettings(grid=10))
+    s_duo, loss, rtn_duo = search_scale(x, x.abs().mean(0), ws, [fmt, fmt], AWQSettings(grid=10, duo=True))
+    assert rtn_duo == rtn and loss <= rtn
+    assert not torch.allclose(s_duo, s_paper)
+
+
+def test_block_objective_scores_the_attention_output_and_restores_the_weights():
+    layer = tiny_model().model.layers[0]
+    attn = layer.self_attn
+    x = correlated_inputs(2 * 16, 64).reshape(2, 16, 64)
+    positions = torch.arange(16)[None].expand(2, 16)
+    cos, sin = rope_cos_sin(tiny_model().inv_freq, positions, x.dtype)
+    forward = lambda h: attn(h, cos, sin, positions, None)  # noqa: E731
+    consumers = [attn.q_proj, attn.k_proj, attn.v_proj]
+    before = [c.weight.clone() for c in consumers]
+    fmt = WeightFormat("int", 4, 32, True)
+    loss = block_objective(forward, x, consumers, [fmt, fmt, fmt])
+    quantized = copy.deepcopy(attn)
+    for c in (quantized.q_proj, quantized.k_proj, quantized.v_proj):
+        c.weight.data = dequantize_int(*quantize_int(c.weight.data, fmt))
+    with torch.no_grad():
+        expected = ((quantized(x, cos, sin, positions, None) - forward(x)) ** 2).mean().item()
+    assert loss(torch.ones(64)) == pytest.approx(expected, rel=1e-5)
+    assert all(torch.equal(c.weight, b) for c, b in zip(consumers, before))  # each call puts the float weights back
+    s, best, rtn = search_scale(x.reshape(-1, 64), x.reshape(-1, 64).abs().mean(0), [c.weight for c in consumers],
+                                [fmt] * 3, AWQSettings(grid=10), loss)
+    assert best <= rtn and rtn == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("settings", [dict(duo=True), dict(objective="block")], ids=["duo", "block"])
+def test_autoawq_variants_quantize_a_model_and_beat_rtn(settings):
+    reference = tiny_model(intermediate_size=128)
+    calib = torch.randint(0, 97, (8, 32), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 97, (4, 32), generator=torch.Generator().manual_seed(1))
+    recipe = parse_recipe("int4-awq-g32")
+    model = copy.deepcopy(reference)
+    result = quantize_model(model, recipe.replace(awq=AWQSettings(**settings)), calib)
+    assert result.awq_gain and all(g >= 1.0 for g in result.awq_gain)  # never worse than RTN on its objective
+    rtn = copy.deepcopy(reference)
+    quantize_model(rtn, parse_recipe("int4-g32"))
+    assert _layer_output_error(model, reference, ids) < _layer_output_error(rtn, reference, ids)
 
 
 def test_awq_clip_lowers_the_model_layer_error_vs_scales_only():

@@ -226,7 +226,18 @@ def _awq_layer(layer: nn.Module, runner: LayerRunner, fmts: dict[str, WeightForm
     groups = awq_mod.scaling_groups(layer)
     sampler = ActivationSampler(recipe.awq.max_tokens, runner.tokens)
     inputs = [grp[0] for grp in INPUT_GROUPS]  # every linear's input: the clip search needs o_proj's too
-    with capture_inputs(layer, inputs, sampler, stop_after="mlp.down_proj"):
+    seq_len = runner.positions.shape[1]
+    # The attention block's objective needs whole sequences: the first calibration blocks, up to
+    # max_tokens (and one runner chunk, whose rotary tables they use).
+    n_seqs = max(1, min(runner.batch_size, recipe.awq.max_tokens // seq_len))
+    sequences: list[Tensor] = []
+
+    def on_input(name: str, x: Tensor) -> None:
+        sampler(name, x)
+        if name == "self_attn.q_proj" and sum(t.shape[0] for t in sequences) < n_seqs:
+            sequences.append(x.reshape(-1, seq_len, x.shape[-1])[: n_seqs - sum(t.shape[0] for t in sequences)].clone())
+
+    with capture_inputs(layer, inputs, on_input, stop_after="mlp.down_proj"):
         runner.run(layer, until_stop=True)
     source = {n: grp[0] for grp in INPUT_GROUPS for n in grp}  # linear -> the captured input it reads
     folded: dict[str, Tensor] = {}  # captured input -> the scale its consumers' inputs were divided by
@@ -234,9 +245,19 @@ def _awq_layer(layer: nn.Module, runner: LayerRunner, fmts: dict[str, WeightForm
         formats = [fmts[n] if fmts[n] is not None and fmts[n].kind == "int" else None for n in g.consumers]
         if all(f is None for f in formats):
             continue
-        weights = [layer.get_submodule(n).weight for n in g.consumers]
-        s, loss, rtn_loss = awq_mod.search_scale(sampler.rows(g.inputs), sampler.mean_abs(g.inputs), weights,
-                                                 formats, recipe.awq)
+        consumers = [layer.get_submodule(n) for n in g.consumers]
+        weights = [c.weight for c in consumers]
+        x = sampler.rows(g.inputs)
+        objective = None  # the consumers' own outputs
+        if recipe.awq.objective == "block" and g.producer == "input_layernorm":
+            seqs = torch.cat(sequences)
+            b = seqs.shape[0]
+            attn = layer.self_attn
+            objective = awq_mod.block_objective(
+                lambda h: attn(h, runner.cos[:b], runner.sin[:b], runner.positions[:b], None), seqs, consumers, formats)
+        elif recipe.awq.objective == "block" and g.producer == "post_attention_layernorm":
+            objective = awq_mod.block_objective(layer.mlp, x, consumers, formats)
+        s, loss, rtn_loss = awq_mod.search_scale(x, sampler.mean_abs(g.inputs), weights, formats, recipe.awq, objective)
         awq_mod.fold_scale(layer, g, s)
         folded[source[g.consumers[0]]] = s
         result.awq_gain.append(rtn_loss / loss if loss > 0 else 1.0)
