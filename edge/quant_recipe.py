@@ -158,7 +158,7 @@ class AWQSettings:
     duo: bool = False  # s = |x|^a / |w|^(1-a) (AutoAWQ's duo_scaling); False: the paper's s = |x|^a
     objective: Literal["linear", "block"] = "linear"  # "block": q/k/v scored on the attention output and
     # gate/up on the MLP output (AutoAWQ); "linear": on the consumers' own outputs (the paper)
-    max_tokens: int = 1024  # calibration tokens (a uniform sample) used to score each candidate scaling
+    max_tokens: int = 4096  # calibration tokens (a uniform sample) scoring each candidate scaling (AutoAWQ: all)
     clip: bool = True  # then search a clipping range per group (AutoAWQ's auto_clip)
     clip_grid: int = 20  # clip ratios 1, 1 - 1/clip_grid, ..., 1 - clip_max_shrink
     clip_max_shrink: float = 0.5

@@ -22,8 +22,8 @@ AutoAWQ departs from the paper in two ways, both here as options (AWQSettings), 
   sequences through RoPE and the softmax, o_proj float) and gate/up on the MLP's output, instead of
   each linear's own output.
 Together (bench/quantize.py's `int4-awq-g32 autoawq` rows, increase over float on test / plays /
-bible / code): the reference model +8.2 / +11.5 / +15.6 / +13.4% against the paper's +7.7 / +10.8 /
-+17.1 / +15.6% (mixed), the student +8.6 / +6.5 / +4.2 / +20.0% against +7.0 / +1.2 / -0.9 / -5.5%
+bible / code): the reference model +7.6 / +11.9 / +15.0 / +14.5% against the paper's +7.4 / +9.0 /
++16.9 / +10.8% (mixed), the student +8.1 / +7.9 / +5.3 / +2.9% against +6.6 / +4.3 / -3.4 / -0.6%
 (worse on every domain). Each alone, on 2048 tokens per domain, was worse than the paper's on both
 models as well.
 
