@@ -8,8 +8,8 @@ Peers, each in its own process with the same thread count and KV precision (f16,
 default):
 - `llama-server` built from the llama.cpp vendored in the pinned llama-cpp-python sdist, with our
   wheel's ggml flags (bench/peers.py builds it once), `--parallel 16` slots of 2048 cells (its
-  per-slot layout), flash attention off like ours. For workload (b) also with `--cache-reuse 256`,
-  and with `cache_prompt: false` (no prompt cache at all).
+  per-slot layout), flash attention on for every server (`--flash-attn off` to compare without).
+  For workload (b) also with `--cache-reuse 256`, and with `cache_prompt: false` (no prompt cache).
 - `llama_cpp.server`, llama-cpp-python's server, which serves one request at a time: workload (a).
 - `edgefinfer`: `kv-unified` (the default `--kv-layout unified`: one cell pool governed by the
   paged-KV manager, retained prefixes) and `per-slot` (one stream per sequence: batch-invariant).
@@ -169,12 +169,13 @@ class ServerProcess:
 OURS_ENV = {"OMP_NUM_THREADS": "1"}
 
 
-def ours_argv(gguf: Path, port: int, threads: int, gpu_layers: int = 0) -> list[str]:
-    """`edgefinfer serve` with the settings every peer gets too (slots, context, f16 KV, threads)."""
+def ours_argv(gguf: Path, port: int, threads: int, gpu_layers: int = 0, flash_attn: bool = False) -> list[str]:
+    """`edgefinfer serve` with the settings every peer gets too (slots, context, f16 KV, threads,
+    flash attention)."""
     return [sys.executable, "-m", "edgefinfer.app.serve_command", str(gguf), "--port", str(port),
             "--threads", str(threads), "--max-num-seqs", str(SLOTS), "--max-model-len", str(SLOT_CTX),
             "--kv-dtype", "f16", "--log-level", "warning", "--gpu-layers", str(gpu_layers),
-            "--served-model-name", "model"]
+            "--served-model-name", "model", *(["--flash-attn"] if flash_attn else [])]
 
 
 # ------------------------------------------------------------------------------------- client
@@ -367,6 +368,9 @@ def main() -> None:
     ap.add_argument("--servers", default=None, help="only these, comma-separated NAME[:CONFIG] "
                     "(e.g. edgefinfer:kv-unified,llama-server)")
     ap.add_argument("--ours-args", default="", help="extra arguments for our server (e.g. '--retain-tokens 1024')")
+    ap.add_argument("--flash-attn", choices=("on", "off"), default="on",
+                    help="flash attention for every server (default on: llama-server's default `auto` turns it on "
+                         "on this CPU, and it is the faster setting for every server here)")
     ap.add_argument("--out", default="server")
     args = ap.parse_args()
 
@@ -387,14 +391,14 @@ def main() -> None:
 
     def ours(config: str) -> ServerProcess:
         port = free_port()
-        argv = ours_argv(gguf, port, args.threads, args.gpu_layers)
+        argv = ours_argv(gguf, port, args.threads, args.gpu_layers, flash_attn=args.flash_attn == "on")
         argv += ["--kv-layout", "unified" if config == "kv-unified" else "per-slot", *args.ours_args.split()]
         return ServerProcess("edgefinfer", config, argv, port, env=OURS_ENV)
 
     def peer(config: str) -> ServerProcess:
         port = free_port()
         argv = [str(binary), "-m", str(gguf), "--port", str(port), "--host", "127.0.0.1", "-t", th, "-tb", th,
-                "--parallel", str(SLOTS), "-c", str(SLOTS * SLOT_CTX), "-ctk", "f16", "-ctv", "f16", "-fa", "off",
+                "--parallel", str(SLOTS), "-c", str(SLOTS * SLOT_CTX), "-ctk", "f16", "-ctv", "f16", "-fa", args.flash_attn,
                 "--no-webui", "--log-disable", "-a", "model", "-ngl", str(args.gpu_layers)]
         body = {}
         if config == "cache-reuse":
@@ -407,7 +411,8 @@ def main() -> None:
         port = free_port()
         argv = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--port", str(port), "--host", "127.0.0.1",
                 "--n_threads", th, "--n_threads_batch", th, "--n_ctx", str(SLOT_CTX), "--verbose", "False",
-                "--model_alias", "model", "--interrupt_requests", "False", "--n_gpu_layers", str(args.gpu_layers)]
+                "--model_alias", "model", "--interrupt_requests", "False", "--n_gpu_layers", str(args.gpu_layers),
+                "--flash_attn", str(args.flash_attn == "on")]
         return ServerProcess("llama_cpp.server", "default", argv, port)
 
     wanted = args.workloads.split(",")
@@ -473,6 +478,7 @@ def main() -> None:
     payload = {"rows": rows, "kv_capacity": capacity, "summary": summary, "edgefinfer_metrics": cache,
                "all_runs": runs, "machine": machine(), "threads": args.threads, "model": gguf.name,
                "max_tokens": max_tokens, "quick": args.quick, "repeats": args.repeats, "kv_dtype": "f16 (all)",
+               "flash_attn": f"{args.flash_attn} (all)",
                "llama_server": {"binary": str(binary), "slots": SLOTS, "slot_ctx": SLOT_CTX,
                                 "flags": (binary.parent / "flags.txt").read_text().strip()
                                 if (binary.parent / "flags.txt").is_file() else None},
