@@ -49,8 +49,11 @@ from edgefinfer.app.entry_point import run_command
               help="When KV blocks run out: recompute the victim later, or park its KV in host memory (llama.cpp "
                    "with --kv-layout per-slot; restores it exactly).")
 @click.option("--kv-dtype", type=click.Choice(["f32", "f16"]), default="f32", show_default=True,
-              help="KV cache precision (f32 matches `edgefinfer run` exactly).")
-@click.option("--flash-attn", is_flag=True, help="llama.cpp flash attention.")
+              help="KV cache precision (f32 matches `edgefinfer run` exactly; f16 is llama.cpp's default and "
+                   "half the KV memory).")
+@click.option("--flash-attn", is_flag=True,
+              help="llama.cpp flash attention (llama-server's default on CPU; 37% more throughput at 16 concurrent "
+                   "requests in bench/server.py, another summation order, so tokens may differ from `edgefinfer run`).")
 @click.option("--gpu-layers", default=0, show_default=True, type=click.IntRange(0),
               help="llama.cpp layers offloaded to the GPU (CUDA build; 999 = all).")
 @click.option("--device", default="cpu", show_default=True, help="torch backend device (cpu, cuda).")
