@@ -247,11 +247,11 @@ def test_duo_scaling_searches_other_scales_and_is_never_worse_than_rtn():
 
 
 def test_block_objective_scores_the_attention_output_and_restores_the_weights():
-    layer = tiny_model().model.layers[0]
-    attn = layer.self_attn
+    model = tiny_model()
+    attn = model.model.layers[0].self_attn
     x = correlated_inputs(2 * 16, 64).reshape(2, 16, 64)
     positions = torch.arange(16)[None].expand(2, 16)
-    cos, sin = rope_cos_sin(tiny_model().inv_freq, positions, x.dtype)
+    cos, sin = rope_cos_sin(model.inv_freq, positions, x.dtype)
     forward = lambda h: attn(h, cos, sin, positions, None)  # noqa: E731
     consumers = [attn.q_proj, attn.k_proj, attn.v_proj]
     before = [c.weight.clone() for c in consumers]

@@ -229,13 +229,14 @@ def _awq_layer(layer: nn.Module, runner: LayerRunner, fmts: dict[str, WeightForm
     seq_len = runner.positions.shape[1]
     # The attention block's objective needs whole sequences: the first calibration blocks, up to
     # max_tokens (and one runner chunk, whose rotary tables they use).
-    n_seqs = max(1, min(runner.batch_size, recipe.awq.max_tokens // seq_len))
+    n_seqs = max(1, min(runner.batch_size, recipe.awq.max_tokens // seq_len)) if recipe.awq.objective == "block" else 0
     sequences: list[Tensor] = []
 
     def on_input(name: str, x: Tensor) -> None:
         sampler(name, x)
-        if name == "self_attn.q_proj" and sum(t.shape[0] for t in sequences) < n_seqs:
-            sequences.append(x.reshape(-1, seq_len, x.shape[-1])[: n_seqs - sum(t.shape[0] for t in sequences)].clone())
+        kept = sum(t.shape[0] for t in sequences)
+        if name == "self_attn.q_proj" and kept < n_seqs:
+            sequences.append(x.reshape(-1, seq_len, x.shape[-1])[: n_seqs - kept].clone())
 
     with capture_inputs(layer, inputs, on_input, stop_after="mlp.down_proj"):
         runner.run(layer, until_stop=True)
