@@ -1,7 +1,8 @@
 """What retained prefixes cost over a server's lifetime (llama.cpp's unified layout).
 
     python bench/server_retention.py --kv-layout unified                     # the default cap
-    python bench/server_retention.py --kv-layout unified --retain-tokens 0   # no cap
+    python bench/server_retention.py --kv-layout unified --retain-tokens 2048   # a larger cap
+    python bench/server_retention.py --kv-layout unified --retain-prefixes 0    # no retention
 
 One server (extra arguments are passed to `edgefinfer serve`) serves bench/server.py's workloads
 in a fixed sequence, each run with prompts no earlier run has seen: shared-system, short, short,

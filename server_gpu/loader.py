@@ -45,7 +45,7 @@ class ServeOptions:
     kv_unified: bool = False  # llama.cpp: per-slot streams (batch-invariant); True: one pool the manager governs
     kv_cells: int | None = None
     retain_prefixes: int | None = None  # None: 64 with kv_unified, else 0
-    retain_tokens: int | None = None  # cap on the retained prefixes' tokens (None: the pool)
+    retain_tokens: int | None = None  # cap on the retained prefixes' tokens (None: DEFAULT_RETAIN_TOKENS)
     flash_attn: bool = False
     kv_dtype: str = "f32"
     threads: int | None = None
