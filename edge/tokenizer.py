@@ -113,27 +113,37 @@ class IncrementalDecoder:
 
     Byte-level BPE pieces may split a multi-byte character; decoding such a prefix ends in U+FFFD,
     so we wait for the next token before emitting.
+
+    Each push decodes a short window, not the whole output (which made a 2048-token reply cost
+    O(n^2) decoding): ids[prefix:read] were emitted already, and the delta is what decoding
+    ids[prefix:] adds to decoding ids[prefix:read]. Starting both decodes at the same token keeps
+    context-dependent decoding (a SentencePiece leading space dropped at the start of a text) out of
+    the delta. This is the prefix/read-offset scheme of Hugging Face's text-generation-inference
+    and vLLM's detokenizer.
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
-        self.emitted = ""
+        self.prefix_offset = 0  # where both decode windows start
+        self.read_offset = 0  # ids[:read_offset] have been emitted
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
-        text = self.tokenizer.decode(self.ids, self.skip_special_tokens)
-        if text.endswith("\ufffd") or not text.startswith(self.emitted):
-            return ""
-        delta, self.emitted = text[len(self.emitted):], text
-        return delta
+        return self._advance(final=False)
 
     def flush(self) -> str:
-        text = self.tokenizer.decode(self.ids, self.skip_special_tokens)
-        delta = text[len(self.emitted):] if text.startswith(self.emitted) else ""
-        self.emitted = text
-        return delta
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
+        decode = self.tokenizer.decode
+        prefix = decode(self.ids[self.prefix_offset:self.read_offset], self.skip_special_tokens)
+        text = decode(self.ids[self.prefix_offset:], self.skip_special_tokens)
+        if len(text) <= len(prefix) or not text.startswith(prefix) or (text.endswith("\ufffd") and not final):
+            return ""  # nothing new yet, or an incomplete character at the end: wait for the next token
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return text[len(prefix):]
 
 
 def _token_text(token: Any) -> str | None:

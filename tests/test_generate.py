@@ -109,6 +109,38 @@ def test_incremental_decoder_never_emits_broken_characters():
     assert all("\ufffd" not in p for p in pieces)
 
 
+def _metaspace_tokenizer():
+    """A SentencePiece-style BPE (Metaspace): decoding drops the space of a text's first word, so
+    decoding a window that starts mid-text differs from slicing the full decode."""
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+
+    backend = HFTokenizer(models.BPE(unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Metaspace()
+    trainer = trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "<|im_end|>"], show_progress=False)
+    backend.train_from_iterator(["the cat sat on the mat and the dog sat on the log"] * 20, trainer)
+    return Tokenizer(backend, eos_token="<|im_end|>")
+
+
+@pytest.mark.parametrize("make", [tiny_tokenizer, _metaspace_tokenizer], ids=["byte-level", "metaspace"])
+def test_incremental_decoder_equals_full_decode_and_decodes_a_short_window(make):
+    tok = make()
+    gen = torch.Generator().manual_seed(0)
+    texts = ["the cat sat on the mat", "naïve café ✓ 你好 déjà vu" if make is tiny_tokenizer else "the dog sat"]
+    random_ids = [torch.randint(0, tok.vocab_size, (60,), generator=gen).tolist() for _ in range(20)]
+    for ids in [tok.encode(t) for t in texts] + random_ids:
+        dec = IncrementalDecoder(tok)
+        pieces = [dec.push(i) for i in ids] + [dec.flush()]
+        assert "".join(pieces) == tok.decode(ids)
+    # Plain text: every token is emitted as it comes, decoding only the last two tokens each time
+    # (the old decoder re-decoded the whole output per token: O(n^2) over a long reply).
+    dec = IncrementalDecoder(tok)
+    ids = tok.encode("the cat sat on the mat " * 30)
+    for n, i in enumerate(ids, 1):
+        assert dec.push(i) != "" or tok.decode([i]) == ""
+        assert dec.read_offset == n and n - dec.prefix_offset <= 2
+
+
 def test_stream_text_with_stop_string_and_streamed_equals_full():
     tok = tiny_tokenizer()
     tok.eos_token = None  # a random model may emit <|im_end|>; here we test the length and stop-string paths
