@@ -15,7 +15,8 @@ default):
   paged-KV manager, retained prefixes) and `per-slot` (one stream per sequence: batch-invariant).
 
 Workloads (closed loop: C clients, each sending its next request when its previous one ends):
-- (a) `short`: 16 one-line prompts, 48 output tokens, at C = 1 and 16;
+- (a) `short`: 16 one-line prompts, 48 output tokens, at C = 1 (each prompt once per run) and 16
+  (two per client);
 - (b) `shared-system`: 16 concurrent chats whose prompts share a 512-token system prompt, each a
   different question, 48 output tokens;
 - (c) `long-short`: half 1500-token prompts, half one-line prompts, 48 output tokens, C = 8.
@@ -37,6 +38,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
+import itertools
 import json
 import os
 import signal
@@ -85,6 +88,10 @@ class Workload:
     prompts: tuple[str, ...]
     levels: tuple[int, ...]
     requests_per_client: int
+    min_requests: int = 2  # per run, whatever the concurrency (C = 1 with 2 requests is one second of data)
+    # False: requests share no prefix at all, each starts with a word no other request of the benchmark
+    # starts with; True: the run's requests share what their prompts share (a system prompt, a long text).
+    shared: bool = True
 
 
 def text_of_tokens(tokenizer, seed_text: str, num_tokens: int) -> str:
@@ -106,7 +113,7 @@ def workloads(tokenizer, quick: bool) -> list[Workload]:
     long = text_of_tokens(tokenizer, LONG_SEED, 1500)
     # One request per client where prompts are long (each run then costs up to a minute per server).
     return [
-        Workload("short", tuple(PROMPTS), (1, 16), 1 if quick else 2),
+        Workload("short", tuple(PROMPTS), (1, 16), 1 if quick else 2, 2 if quick else len(PROMPTS), shared=False),
         Workload("shared-system", tuple(f"{system}\nQuestion: {p}\nAnswer:" for p in PROMPTS), (16,), 1),
         Workload("long-short", tuple(f"{long}\n{p}" if i % 2 == 0 else p for i, p in enumerate(PROMPTS[:8])),
                  (8,), 1),
@@ -231,9 +238,10 @@ async def run_level(server: ServerProcess, prompts: list[str], concurrency: int,
         return time.perf_counter() - t0, results
 
 
-def measure(server: ServerProcess, work: Workload, concurrency: int, max_tokens: int, tokenizer) -> dict:
-    n = max(2, concurrency * work.requests_per_client)
-    prompts = [work.prompts[i % len(work.prompts)] for i in range(n)]
+def measure(server: ServerProcess, work: Workload, concurrency: int, max_tokens: int, tokenizer,
+            run_index: int) -> dict:
+    n = max(work.min_requests, concurrency * work.requests_per_client)
+    prompts = run_prompts(work, run_index, n, tokenizer)
     wall, results = asyncio.run(run_level(server, prompts, concurrency, max_tokens))
     counts = [len(tokenizer.encode(r["text"])) for r in results]
     ttft = np.array([r["ttft"] for r in results])
@@ -252,11 +260,35 @@ def warm_up(server: ServerProcess) -> None:
     asyncio.run(run_level(server, [PROMPTS[0]], 1, 4))
 
 
-def fresh_prefix(work: Workload, run_index: int) -> Workload:
-    """Each run of a workload gets prompts no earlier run has seen (a number up front), so that no
-    server answers a run from a cache filled by the one before it; within the run they share as designed."""
-    tag = f"Session {run_index}. "
-    return Workload(work.name, tuple(tag + p for p in work.prompts), work.levels, work.requests_per_client)
+def run_prompts(work: Workload, run_index: int, n: int, tokenizer) -> list[str]:
+    """The n prompts of one run, none of which an earlier run has seen, so that no server answers a run
+    from a cache filled by the one before it.
+
+    A shared workload tags its run ("Session 7. ..."): within the run its requests share what they
+    share by design. An unshared one starts every request with its own word. A tag shared by the
+    whole run is a prefix too: llama-server's slots reuse any common prefix token by token, so with
+    "Session 7. " in front of 20-token prompts it skipped a fifth of every prefill (C = 1 TTFT 108 vs
+    138 ms for ours, whose cache shares whole 16-token blocks; 145 vs 141 ms with distinct first
+    words), and at C = 16 the second request of each prompt found the first one's whole prompt in
+    its slot."""
+    if work.shared:
+        tag = f"Session {run_index}. "
+        return [tag + work.prompts[i % len(work.prompts)] for i in range(n)]
+    words = distinct_words(tokenizer)
+    return [f"{words[next(_REQUESTS) % len(words)]}: {work.prompts[i % len(work.prompts)]}" for i in range(n)]
+
+
+_WORDS: list[str] = []
+_REQUESTS = itertools.count()  # unshared requests so far: each takes the next word
+
+
+def distinct_words(tokenizer) -> list[str]:
+    """Capitalised words that are one token each (no leading space): distinct first tokens."""
+    if not _WORDS:
+        vocab = tokenizer.backend.get_vocab()
+        _WORDS.extend(w for w, _ in sorted(vocab.items(), key=lambda kv: kv[1])
+                      if w.isascii() and w.isalpha() and w[0].isupper() and w[1:].islower() and 4 <= len(w) <= 10)
+    return _WORDS
 
 
 def kv_stats(server: ServerProcess) -> dict:
@@ -419,7 +451,7 @@ def main() -> None:
     plan = [w for w in workloads(tokenizer, args.quick) if w.name in wanted]
     if args.levels:
         levels = tuple(int(x) for x in args.levels.split(","))
-        plan = [Workload(w.name, w.prompts, levels, w.requests_per_client) if w.name != "long-short" else w
+        plan = [dataclasses.replace(w, levels=levels) if w.name != "long-short" else w
                 for w in plan]
     runs: list[dict] = []
     t0 = time.time()
@@ -450,9 +482,8 @@ def main() -> None:
                     order = entries[rep % len(entries):] + entries[:rep % len(entries)]
                     for key in order:
                         server = servers[key]
-                        # Every server sees a fresh copy of the prompts: none is helped by the one before.
-                        fresh = fresh_prefix(work, len(runs))
-                        run = measure(server, fresh, c, max_tokens, tokenizer)
+                        # Every server sees fresh prompts: none is helped by the one before.
+                        run = measure(server, work, c, max_tokens, tokenizer, len(runs))
                         runs.append({"server": key[0], "config": key[1], "workload": work.name, "concurrency": c,
                                      "repeat": rep, **run})
         cache = {k[1]: kv_stats(s) for k, s in servers.items() if k[0] == "edgefinfer"}
