@@ -349,7 +349,9 @@ class Scheduler:
             if not seq.request.forked:  # choice 0 computed the prompt: fork the others, all sample from it
                 self._fork_children(seq)
                 samplers = list(seq.request.seqs)
-            biased = sampler.apply_bias(row[0], seq.request.params.logit_bias)
+            # The executor's logits are this step's own; only logprobs read the raw row again.
+            biased = sampler.apply_bias(row[0], seq.request.params.logit_bias,
+                                        in_place=seq.request.params.logprobs is None)
             for s in samplers:
                 token = pick_token(biased, s.request.params.sampling, s.tokens, s.generator, s.matcher)
                 self._emit(s, [token], row, now, touched)

@@ -278,6 +278,33 @@ def test_logprobs_match_log_softmax(model, tokenizer):
         assert np.allclose([v for _, v in lp.top], ref.topk(3).values.numpy(), atol=1e-5)
 
 
+def test_logit_bias_bans_tokens_and_logprobs_stay_raw(model, tokenizer):
+    # Ban the greedy pick at every step: the reply is the eager greedy reply of the model whose logits
+    # carry the bias. With logprobs on, the reported logprob of a picked token is its raw one (the bias
+    # is applied to a copy); without, the bias goes into the step's own logits, the same tokens result.
+    prompt = prompts_of([6], seed=21)[0]
+    first = eager(model, prompt, 1)[0]
+    bias = ((first, -100.0),)
+    engine = make_engine(model, tokenizer)
+    with running(engine):
+        plain = run(engine, [prompt], GenerationParams(max_tokens=4, logit_bias=bias))[0][0]
+        got: list = []
+        with_lp = run(engine, [prompt], GenerationParams(max_tokens=4, logit_bias=bias, logprobs=0),
+                      on_output=lambda i, out: got.extend(lp for d in out.deltas for lp in d.logprobs or []))[0][0]
+    ids, ref_lp = list(prompt), []
+    with torch.no_grad():
+        for _ in range(4):
+            logits = model(torch.tensor([ids]))[0, -1].double()
+            logits_biased = logits.clone()
+            logits_biased[first] -= 100.0
+            tok = int(logits_biased.argmax())
+            ref_lp.append(float(torch.log_softmax(logits, -1)[tok]))
+            ids.append(tok)
+    assert plain == with_lp == ids[len(prompt):] and first not in plain
+    assert [lp.token_id for lp in got] == plain
+    assert np.allclose([lp.logprob for lp in got], ref_lp, atol=1e-5)
+
+
 # ------------------------------------------------------------------------------- sliding window
 WINDOW = 10  # tokens; with blocks of 4, a window overlaps at most 4 blocks
 
