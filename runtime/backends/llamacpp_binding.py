@@ -161,6 +161,7 @@ class LlamaContext:
         self.cells_per_slot = lib.llama_n_ctx_seq(self.ptr) if not unified else self.n_ctx
         self.max_tokens = max_tokens
         self.threads = n
+        self._logit_views: dict[tuple[int, int], np.ndarray] = {}  # (buffer address, rows) -> view
 
     def decode(self, rows: Sequence[DecodeRow], out: np.ndarray | None = None) -> np.ndarray:
         """One llama_decode of `rows` (at most `max_tokens` tokens in all) -> float32 logits
@@ -184,11 +185,23 @@ class LlamaContext:
         n_out = sum(r[3] for r in rows)
         if n_out == 0:
             return np.empty((0, self.model.vocab_size), dtype=np.float32)
-        view = np.ctypeslib.as_array(lib.llama_get_logits(self.ptr), shape=(n_out, self.model.vocab_size))
+        view = self._logits_view(lib.llama_get_logits(self.ptr), n_out)
         if out is None:
             return view.copy()  # llama.cpp reuses the buffer on the next decode
         out[...] = view
         return out
+
+    def _logits_view(self, ptr, n_out: int) -> np.ndarray:
+        """[n_out, V] over llama.cpp's logits buffer. np.ctypeslib.as_array builds a ctypes array type
+        per call, 80 us a decode step inside the server (cold caches); the views are kept per buffer
+        address, so a buffer llama.cpp reallocates gets a new one."""
+        key = (ctypes.cast(ptr, ctypes.c_void_p).value, n_out)
+        view = self._logit_views.get(key)
+        if view is None:
+            if len(self._logit_views) > 64:  # batch shapes come and go; keep the dictionary small
+                self._logit_views.clear()
+            view = self._logit_views[key] = np.ctypeslib.as_array(ptr, shape=(n_out, self.model.vocab_size))
+        return view
 
     # ---- memory: cells are tagged with (sequence id, position) ----------------------------------
     def remove(self, seq: int, start: int = -1, end: int = -1) -> None:
