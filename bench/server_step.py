@@ -4,11 +4,11 @@
     python bench/server_step.py --quick    # 2 requests of 16 tokens
 
 No HTTP: the serving engine of `edgefinfer serve` (per-slot layout, f16 KV, flash attention, 2
-threads: bench/server.py's settings) is stepped in this thread, and each part of a step is timed
-by wrapping it: the raw `llama_decode` call, the binding's `decode` around it (batch fill, logits
-copy), the executor, the scheduler's `schedule` and `update` (and inside `update` sampling,
-`logit_bias`, text), the metrics. Medians over all steps (one prefill in every max_tokens steps,
-so a median is a decode step's).
+threads: bench/server.py's settings) runs in its own thread as in the server, and each part of a
+step is timed by wrapping it: the raw `llama_decode` call, the binding's `decode` around it (batch
+fill, logits copy), the executor, the scheduler's `schedule` and `update` (and inside `update`
+sampling, `logit_bias`, text), the metrics. Medians over all steps (one prefill in every max_tokens
+steps, so a median is a decode step's).
 
 What the step costs beyond `llama_decode` is what a server in C++ (llama-server) does not pay per
 token. The same calls in a warm loop are also timed (`warm_*`): each decode streams the whole
@@ -115,13 +115,9 @@ def main() -> None:
                       GenerationParams(max_tokens=max_tokens, sampling=SamplingParams(temperature=0),
                                        logit_bias=bias),
                       lambda out: done.set() if out.finished else None)
-        while not done.is_set():
-            while not engine._inbox.empty():
-                engine._command(engine._inbox.get_nowait())
-            if engine.scheduler.has_work():
-                engine._step()
-            engine._publish()
+        done.wait()
 
+    engine.start()  # its own thread, as in the server; outputs are delivered there
     one(-1)  # warm-up: the first graph of each shape
     timer.clear()
     t0 = time.time()
