@@ -39,6 +39,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import itertools
 import json
 import os
@@ -278,17 +279,15 @@ def run_prompts(work: Workload, run_index: int, n: int, tokenizer) -> list[str]:
     return [f"{words[next(_REQUESTS) % len(words)]}: {work.prompts[i % len(work.prompts)]}" for i in range(n)]
 
 
-_WORDS: list[str] = []
 _REQUESTS = itertools.count()  # unshared requests so far: each takes the next word
 
 
-def distinct_words(tokenizer) -> list[str]:
+@functools.cache
+def distinct_words(tokenizer) -> tuple[str, ...]:
     """Capitalised words that are one token each (no leading space): distinct first tokens."""
-    if not _WORDS:
-        vocab = tokenizer.backend.get_vocab()
-        _WORDS.extend(w for w, _ in sorted(vocab.items(), key=lambda kv: kv[1])
-                      if w.isascii() and w.isalpha() and w[0].isupper() and w[1:].islower() and 4 <= len(w) <= 10)
-    return _WORDS
+    vocab = tokenizer.backend.get_vocab()
+    return tuple(w for w, _ in sorted(vocab.items(), key=lambda kv: kv[1])
+                 if w.isascii() and w.isalpha() and w[0].isupper() and w[1:].islower() and 4 <= len(w) <= 10)
 
 
 def kv_stats(server: ServerProcess) -> dict:
