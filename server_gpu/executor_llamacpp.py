@@ -188,9 +188,12 @@ class LlamaCppExecutor:
             op.apply_to(self.storage)
         t0 = time.perf_counter()
         logits: dict[int, np.ndarray] = {}
-        for call in self._calls(plan.work):
+        calls = self._calls(plan.work)
+        for n, call in enumerate(calls, 1):
             rows = [(self.storage.slot(w.seq_id), w.start_pos, w.token_ids, w.num_logits) for w in call]
-            out = self.ctx.decode(rows)
+            # The last call's logits stay in llama.cpp's buffer (StepResult: valid until the next
+            # execute); at 16 sequences a copy is 3 MB a step. Earlier calls' are overwritten by later ones.
+            out = self.ctx.decode(rows, copy=n < len(calls))
             i = 0
             for w in call:
                 if w.num_logits:
@@ -201,6 +204,8 @@ class LlamaCppExecutor:
     def _calls(self, work: Sequence[SeqWork]) -> list[list[SeqWork]]:
         """Split a step into llama_decode calls of at most max_tokens tokens, never splitting one
         sequence's tokens; per-stream layouts also group sequences by token count (see module doc)."""
+        if len(work) == 1:  # one sequence (every step at concurrency 1): one call
+            return [list(work)]
         if self.kv_unified:
             groups = [list(work)]
         else:

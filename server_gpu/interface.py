@@ -84,7 +84,9 @@ class StepPlan:
 
 @dataclass(frozen=True, slots=True)
 class StepResult:
-    logits: dict[int, np.ndarray]  # seq_id -> float32 [num_logits, V]
+    # seq_id -> float32 [num_logits, V]; valid until the executor's next `execute` (they may be views of
+    # the backend's own buffer), and the caller may modify them in place (logit_bias, grammar masks).
+    logits: dict[int, np.ndarray]
     elapsed_s: float  # wall time of the forward (the scheduler's speculation cost model reads it)
 
 

@@ -162,10 +162,16 @@ class LlamaContext:
         self.max_tokens = max_tokens
         self.threads = n
         self._logit_views: dict[tuple[int, int], np.ndarray] = {}  # (buffer address, rows) -> view
+        # llama_get_logits answering a plain address, the key of those views: llama-cpp-python's own
+        # declares a POINTER(c_float) result, and a ctypes.cast to read its address costs 20 us a step
+        # inside the server (cold caches). Indexing the CDLL gives a new function object to declare.
+        self._logits_address = lib.llama_cpp._lib["llama_get_logits"]
+        self._logits_address.argtypes, self._logits_address.restype = [ctypes.c_void_p], ctypes.c_void_p
 
-    def decode(self, rows: Sequence[DecodeRow], out: np.ndarray | None = None) -> np.ndarray:
+    def decode(self, rows: Sequence[DecodeRow], out: np.ndarray | None = None, copy: bool = True) -> np.ndarray:
         """One llama_decode of `rows` (at most `max_tokens` tokens in all) -> float32 logits
-        [rows' logit count, V] in row order, copied into `out` when given (else a new array)."""
+        [rows' logit count, V] in row order, copied into `out` when given, else a new array, or with
+        `copy=False` a view of llama.cpp's own buffer: valid (and writable) until the next decode."""
         b, lib = self.batch, self.lib
         i = 0
         for seq, start, tokens, num_logits in rows:
@@ -185,22 +191,24 @@ class LlamaContext:
         n_out = sum(r[3] for r in rows)
         if n_out == 0:
             return np.empty((0, self.model.vocab_size), dtype=np.float32)
-        view = self._logits_view(lib.llama_get_logits(self.ptr), n_out)
+        view = self._logits_view(self._logits_address(self.ptr), n_out)
         if out is None:
-            return view.copy()  # llama.cpp reuses the buffer on the next decode
+            return view.copy() if copy else view  # llama.cpp reuses the buffer on the next decode
         out[...] = view
         return out
 
-    def _logits_view(self, ptr, n_out: int) -> np.ndarray:
-        """[n_out, V] over llama.cpp's logits buffer. np.ctypeslib.as_array builds a ctypes array type
-        per call, 80 us a decode step inside the server (cold caches); the views are kept per buffer
-        address, so a buffer llama.cpp reallocates gets a new one."""
-        key = (ctypes.cast(ptr, ctypes.c_void_p).value, n_out)
+    def _logits_view(self, address: int, n_out: int) -> np.ndarray:
+        """[n_out, V] over llama.cpp's logits buffer at `address`. Building one costs a ctypes array type,
+        80 us a decode step inside the server (cold caches); the views are kept per buffer address, so
+        a buffer llama.cpp reallocates gets a new one."""
+        key = (address, n_out)
         view = self._logit_views.get(key)
         if view is None:
             if len(self._logit_views) > 64:  # batch shapes come and go; keep the dictionary small
                 self._logit_views.clear()
-            view = self._logit_views[key] = np.ctypeslib.as_array(ptr, shape=(n_out, self.model.vocab_size))
+            size = n_out * self.model.vocab_size
+            view = np.frombuffer((ctypes.c_float * size).from_address(address), dtype=np.float32)
+            view = self._logit_views[key] = view.reshape(n_out, self.model.vocab_size)
         return view
 
     # ---- memory: cells are tagged with (sequence id, position) ----------------------------------
