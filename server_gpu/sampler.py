@@ -32,9 +32,14 @@ def apply_bias(logits: np.ndarray, bias: tuple[tuple[int, float], ...], in_place
         return logits
     out = logits if in_place else logits.copy()
     # A few scalar adds: numpy's fancy indexing costs far more than they do at one row a step
-    # (bias ids are unique: they come from a JSON object's keys).
-    for token_id, value in bias:
-        out[..., token_id] += value
+    # (bias ids are unique: they come from a JSON object's keys). A 1-D row is indexed by the bare
+    # id: an index with an Ellipsis takes numpy's slow path, 8x slower per add.
+    if out.ndim == 1:
+        for token_id, value in bias:
+            out[token_id] += value
+    else:
+        for token_id, value in bias:
+            out[:, token_id] += value
     return out
 
 

@@ -173,10 +173,13 @@ class Scheduler:
     def _reserve_decodes(self, ops: list[KVOp]) -> list[tuple[Seq, Draft | None]]:
         """KV room for every decoding sequence's next token (and drafts), preempting from the tail."""
         out = []
-        num_decoding = sum(not self._prefilling(s) for s in self.running)
-        spare = self.config.max_num_batched_tokens - num_decoding  # what drafts may add
-        if any(self._prefilling(s) for s in self.running) or self.waiting:
-            spare -= self.config.prefill_chunk  # keep prompts moving
+        num_decoding = spare = 0
+        if self.speculation is not None:  # what drafts may add
+            prefilling = sum(self._prefilling(s) for s in self.running)
+            num_decoding = len(self.running) - prefilling
+            spare = self.config.max_num_batched_tokens - num_decoding
+            if prefilling or self.waiting:
+                spare -= self.config.prefill_chunk  # keep prompts moving
         i = 0
         while i < len(self.running):
             seq = self.running[i]
@@ -326,11 +329,13 @@ class Scheduler:
     def update(self, plan: StepPlan, result: StepResult) -> tuple[list[RequestOutput], StepStats]:
         """Record the forward, then sample, fork and finish; returns the outputs of touched requests."""
         stats = self._stats
-        if plan.work:
-            self.cost.observe(plan.num_tokens, result.elapsed_s)
+        num_decoding = 0
+        if self.speculation is not None:  # the cost model and the draft lengths it sets
+            num_decoding = sum(not s.prefill for s in self._scheduled)
+            if plan.work:
+                self.cost.observe(plan.num_tokens, result.elapsed_s)
         now = time.perf_counter()
         touched: dict[str, tuple[Request, list[ChoiceDelta]]] = {}
-        num_decoding = sum(not s.prefill for s in self._scheduled)
         for item in self._scheduled:
             seq, work = item.seq, item.work
             if item.draft is not None:
