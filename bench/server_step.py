@@ -6,13 +6,19 @@
 No HTTP: the serving engine of `edgefinfer serve` (per-slot layout, f16 KV, flash attention, 2
 threads: bench/server.py's settings) runs in its own thread as in the server, and each part of a
 step is timed by wrapping it: the raw `llama_decode` call, the binding's `decode` around it (batch
-fill, logits copy), the executor, the scheduler's `schedule` and `update` (and inside `update`
+fill, logits view), the executor, the scheduler's `schedule` and `update` (and inside `update`
 sampling, `logit_bias`, text), the metrics. Medians over all steps (one prefill in every max_tokens
 steps, so a median is a decode step's).
 
 What the step costs beyond `llama_decode` is what a server in C++ (llama-server) does not pay per
 token. The same calls in a warm loop are also timed (`warm_*`): each decode streams the whole
 model's weights through the caches, so inside the engine the interpreter starts every step cold.
+
+`--peer` also checks that the kernels are not where llama-server is ahead: it alternates, in one
+run, llama-server's own per-token decode time (`timings.predicted_ms` of a non-streamed
+/completion, greedy, `--parallel 16`, same GGUF, threads, f16 KV and flash attention) with bare
+`llama_decode` steps through our binding in a context of the server's settings, `--peer-rounds`
+pairs of 64 tokens each.
 
 Writes bench/results/server_step.json.
 """
@@ -72,12 +78,75 @@ def warm_costs(vocab: int) -> dict[str, float]:
             "warm_copy_us": timeit.timeit(row.copy, number=n) / n * 1e6}
 
 
+def decode_parity(gguf: Path, threads: int, rounds: int, binary: str | None) -> dict:
+    """Per-token decode time, llama-server's own against bare llama_decode through our binding,
+    alternated (ms per token, one 64-token greedy completion per round and side)."""
+    import json
+    import subprocess
+    import urllib.request
+
+    from bench import peers
+    from bench.server import SLOT_CTX, SLOTS, free_port
+    from edgefinfer.runtime.backends.llamacpp_binding import LlamaContext, LlamaModel
+
+    binary = binary or str(peers.llama_server())
+    port, th, n = free_port(), str(threads), 64
+    proc = subprocess.Popen([binary, "-m", str(gguf), "--port", str(port), "--host", "127.0.0.1", "-t", th, "-tb", th,
+                             "--parallel", str(SLOTS), "-c", str(SLOTS * SLOT_CTX), "-ctk", "f16", "-ctv", "f16",
+                             "-fa", "on", "--no-webui", "--log-disable"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    model = LlamaModel(gguf)
+    ctx = LlamaContext(model, SLOTS, SLOT_CTX, flash_attn=True, kv_dtype="f16", threads=threads, max_tokens=512)
+
+    def ours(i: int) -> float:
+        ctx.remove(0)
+        tokens = model.tokenize(f"Request {i}. {PROMPT}")
+        token, pos, times = int(ctx.decode([(0, 0, tokens, 1)], copy=False)[-1].argmax()), len(tokens), []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            logits = ctx.decode([(0, pos, [token], 1)], copy=False)
+            times.append(time.perf_counter() - t0)
+            token, pos = int(logits[-1].argmax()), pos + 1
+        return statistics.median(times) * 1e3
+
+    def peer(i: int) -> float:
+        body = {"prompt": f"Request {i}. {PROMPT}", "n_predict": n, "temperature": 0, "cache_prompt": False,
+                "ignore_eos": True}
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/completion", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        t = json.load(urllib.request.urlopen(req, timeout=300))["timings"]
+        return t["predicted_ms"] / (t["predicted_n"] - 1)  # the first token comes from the prompt's logits
+
+    try:
+        for _ in range(240):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.25)
+        peer(-1), ours(-1)  # warm-up
+        pairs = [(ours(i), peer(i)) for i in range(rounds)]
+    finally:
+        proc.terminate()
+        proc.wait()
+        ctx.close()
+        model.close()
+    ratios = [a / b for a, b in pairs]
+    return {"ours_llama_decode_ms": [round(a, 2) for a, _ in pairs],
+            "llama_server_ms": [round(b, 2) for _, b in pairs],
+            "ours_over_llama_server_median": round(statistics.median(ratios), 3),
+            "ours_over_llama_server_min_max": [round(min(ratios), 3), round(max(ratios), 3)]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--requests", type=int, default=None)
     ap.add_argument("--max-tokens", type=int, default=None)
+    ap.add_argument("--peer", action="store_true", help="also time llama-server's own decode step against ours")
+    ap.add_argument("--peer-rounds", type=int, default=8)
+    ap.add_argument("--llama-server", default=None, help="a llama-server binary (default: bench/peers.py builds one)")
     args = ap.parse_args()
     requests = args.requests or (2 if args.quick else 5)
     max_tokens = args.max_tokens or (16 if args.quick else 64)
@@ -94,7 +163,7 @@ def main() -> None:
     timer = Timer()
     ctx, scheduler = engine.executor.ctx, engine.scheduler
     timer.wrap(ctx.lib, "llama_decode", "llama_decode")
-    timer.wrap(ctx, "decode", "binding decode (batch, logits copy)")
+    timer.wrap(ctx, "decode", "binding decode (batch, logits view)")
     timer.wrap(engine.executor, "execute", "executor execute")
     timer.wrap(scheduler, "schedule", "scheduler schedule")
     timer.wrap(scheduler, "update", "scheduler update")
@@ -137,7 +206,13 @@ def main() -> None:
     print(f"per step: {summary['step_us']:.0f} us, llama_decode {summary['llama_decode_us']:.0f} us, "
           f"Python around it {overhead:.0f} us ({100 * summary['python_share']:.1f}%); warm loop: argmax "
           f"{summary['warm_argmax_us']:.1f} us, 200 KB copy {summary['warm_copy_us']:.1f} us")
-    path = write_results("server_step", {"rows": rows, "summary": summary, "requests": requests,
+    parity = None
+    if args.peer:
+        parity = decode_parity(gguf, args.threads, args.peer_rounds, args.llama_server)
+        print(f"decode step, bare llama_decode through our binding / llama-server's own: "
+              f"{parity['ours_over_llama_server_median']:.3f} (median of {args.peer_rounds} alternated pairs; "
+              f"{parity['ours_llama_decode_ms']} against {parity['llama_server_ms']} ms)")
+    path = write_results("server_step", {"rows": rows, "summary": summary, "decode_parity": parity, "requests": requests,
                                          "max_tokens": max_tokens, "threads": args.threads, "model": gguf.name,
                                          "machine": machine(), "versions": versions("llama-cpp-python"),
                                          "elapsed_s": round(time.time() - t0, 1)}, quick=args.quick)
