@@ -380,6 +380,22 @@ def median_row(key: tuple, runs: list[dict]) -> dict:
             "runs": len(mine), "requests": mine[0]["requests"], "retries": sum(r["retries"] for r in mine)}
 
 
+def paired_ratio(runs: list[dict], config: str, workload: str, concurrency: int) -> dict:
+    """Our tok/s over llama-server's within each repeat, median and range. The repeats are interleaved,
+    so a host whose speed drifts during the benchmark moves both sides of a pair alike: the ratio of
+    the medians can then pair a fast run with a slow one."""
+    def by_repeat(server: str, cfg: str) -> dict[int, float]:
+        return {r["repeat"]: r["tok_s"] for r in runs if (r["server"], r["config"], r["workload"], r["concurrency"])
+                == (server, cfg, workload, concurrency)}
+
+    ours, peer = by_repeat("edgefinfer", config), by_repeat("llama-server", "default")
+    ratios = [ours[k] / peer[k] for k in ours if k in peer and peer[k] > 0]
+    if not ratios:
+        return {}
+    return {"tok_s_ratio_paired": round(statistics.median(ratios), 2),
+            "tok_s_ratio_paired_min_max": [round(min(ratios), 2), round(max(ratios), 2)]}
+
+
 def main() -> None:
     global BANNED, SLOTS
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -501,6 +517,7 @@ def main() -> None:
             a, b = row("edgefinfer", config, work, c), row("llama-server", "default", work, c)
             if a and b:
                 summary[f"{config} {work} C={c}"] = {"tok_s_ratio": round(a["tok_s"] / b["tok_s"], 2),
+                                                     **paired_ratio(runs, config, work, c),
                                                      "ttft_p50_ratio": round(a["ttft_p50_s"] / b["ttft_p50_s"], 2),
                                                      "ttft_p99_ratio": round(a["ttft_p99_s"] / b["ttft_p99_s"], 2)}
     if capacity:
