@@ -177,6 +177,16 @@ class ServerProcess:
 OURS_ENV = {"OMP_NUM_THREADS": "1"}
 
 
+def llama_server_argv(binary: Path | str, gguf: Path, port: int, threads: int, flash_attn: str = "on",
+                      gpu_layers: int = 0) -> list[str]:
+    """llama.cpp's `llama-server` as every benchmark runs it: SLOTS slots of SLOT_CTX cells (its
+    per-slot layout), f16 KV, the thread count for decode and batches alike."""
+    th = str(threads)
+    return [str(binary), "-m", str(gguf), "--port", str(port), "--host", "127.0.0.1", "-t", th, "-tb", th,
+            "--parallel", str(SLOTS), "-c", str(SLOTS * SLOT_CTX), "-ctk", "f16", "-ctv", "f16", "-fa", flash_attn,
+            "--no-webui", "--log-disable", "-a", "model", "-ngl", str(gpu_layers)]
+
+
 def ours_argv(gguf: Path, port: int, threads: int, gpu_layers: int = 0, flash_attn: bool = False) -> list[str]:
     """`edgefinfer serve` with the settings every peer gets too (slots, context, f16 KV, threads,
     flash attention)."""
@@ -444,9 +454,7 @@ def main() -> None:
 
     def peer(config: str) -> ServerProcess:
         port = free_port()
-        argv = [str(binary), "-m", str(gguf), "--port", str(port), "--host", "127.0.0.1", "-t", th, "-tb", th,
-                "--parallel", str(SLOTS), "-c", str(SLOTS * SLOT_CTX), "-ctk", "f16", "-ctv", "f16", "-fa", args.flash_attn,
-                "--no-webui", "--log-disable", "-a", "model", "-ngl", str(args.gpu_layers)]
+        argv = llama_server_argv(binary, gguf, port, args.threads, args.flash_attn, args.gpu_layers)
         body = {}
         if config == "cache-reuse":
             argv += ["--cache-reuse", "256"]

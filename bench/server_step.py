@@ -81,20 +81,14 @@ def warm_costs(vocab: int) -> dict[str, float]:
 def decode_parity(gguf: Path, threads: int, rounds: int, binary: str | None) -> dict:
     """Per-token decode time, llama-server's own against bare llama_decode through our binding,
     alternated (ms per token, one 64-token greedy completion per round and side)."""
-    import json
-    import subprocess
-    import urllib.request
-
+    import httpx
     from bench import peers
-    from bench.server import SLOT_CTX, SLOTS, free_port
+    from bench.server import SLOT_CTX, SLOTS, ServerProcess, free_port, llama_server_argv
     from edgefinfer.runtime.backends.llamacpp_binding import LlamaContext, LlamaModel
 
-    binary = binary or str(peers.llama_server())
-    port, th, n = free_port(), str(threads), 64
-    proc = subprocess.Popen([binary, "-m", str(gguf), "--port", str(port), "--host", "127.0.0.1", "-t", th, "-tb", th,
-                             "--parallel", str(SLOTS), "-c", str(SLOTS * SLOT_CTX), "-ctk", "f16", "-ctv", "f16",
-                             "-fa", "on", "--no-webui", "--log-disable"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    port, n = free_port(), 64
+    server = ServerProcess("llama-server", "default",
+                           llama_server_argv(binary or peers.llama_server(), gguf, port, threads), port)
     model = LlamaModel(gguf)
     ctx = LlamaContext(model, SLOTS, SLOT_CTX, flash_attn=True, kv_dtype="f16", threads=threads, max_tokens=512)
 
@@ -112,23 +106,14 @@ def decode_parity(gguf: Path, threads: int, rounds: int, binary: str | None) -> 
     def peer(i: int) -> float:
         body = {"prompt": f"Request {i}. {PROMPT}", "n_predict": n, "temperature": 0, "cache_prompt": False,
                 "ignore_eos": True}
-        req = urllib.request.Request(f"http://127.0.0.1:{port}/completion", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        t = json.load(urllib.request.urlopen(req, timeout=300))["timings"]
+        t = httpx.post(f"{server.url}/completion", json=body, timeout=300).json()["timings"]
         return t["predicted_ms"] / (t["predicted_n"] - 1)  # the first token comes from the prompt's logits
 
     try:
-        for _ in range(240):
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
-                break
-            except OSError:
-                time.sleep(0.25)
-        peer(-1), ours(-1)  # warm-up
-        pairs = [(ours(i), peer(i)) for i in range(rounds)]
+        with server:
+            peer(-1), ours(-1)  # warm-up
+            pairs = [(ours(i), peer(i)) for i in range(rounds)]
     finally:
-        proc.terminate()
-        proc.wait()
         ctx.close()
         model.close()
     ratios = [a / b for a, b in pairs]
