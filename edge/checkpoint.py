@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from edgefinfer.atomic import atomic_dir
 from edgefinfer.config import ModelConfig
 from edgefinfer.errors import UserError
-from edgefinfer.model import Transformer, rope_inv_freq
+from edgefinfer.model import Transformer
 from edgefinfer.model_files import check_hf_config, read_json
 
 # Files that travel with the weights when a checkpoint is re-saved.
@@ -83,7 +83,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype | None = "float32") ->
         raise UserError(f"{path} is a quantized checkpoint ({method.get('name', 'edgefinfer') if isinstance(method, dict) else method}); "
                         f"use it with `edgefinfer build --model {path}` or load it with "
                         f"edgefinfer.compile.quant.checkpoint.load_quantized")
-    state = load_state_dict(path)
+    state = from_hf_state(load_state_dict(path), config)
     # transformers omits lm_head.weight when embeddings are tied.
     state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
     with torch.device("meta"):
@@ -104,7 +104,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype | None = "float32") ->
     model.load_state_dict(state, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.inv_freq = rope_inv_freq(config)  # buffers were created on the meta device
+    model.init_rope()  # buffers were created on the meta device
     if dtype is not None:
         model = model.to(parse_dtype(dtype))
     return model.eval()
@@ -115,7 +115,7 @@ def save_model(model: Transformer, path: str | Path, tokenizer_dir: str | Path |
     """Write `model` as a HF folder at `path` (atomically). Tokenizer files are copied from `tokenizer_dir`."""
     dest = Path(path)
     config = model.config.replace(torch_dtype=str(next(model.parameters()).dtype).removeprefix("torch."))
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    state = to_hf_state({k: v.detach().contiguous() for k, v in model.state_dict().items()}, config)
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # safetensors refuses shared storage; HF re-ties on load
     with atomic_dir(dest) as tmp:
@@ -123,6 +123,51 @@ def save_model(model: Transformer, path: str | Path, tokenizer_dir: str | Path |
         _write_weights(state, tmp, max_shard_bytes)
         write_side_files(tmp, tokenizer_dir, extra_files)
     return dest
+
+
+def from_hf_state(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """A family's checkpoint tensors -> our model's: fused q|k|v and gate|up split (Phi-3), norm gains
+    with the family's offset added (Gemma stores w for a gain of 1 + w)."""
+    out: dict[str, torch.Tensor] = {}
+    q, kv = config.num_attention_heads * config.dim_per_head, config.num_key_value_heads * config.dim_per_head
+    for name, t in state.items():
+        if config.family.fused_qkv and name.endswith("self_attn.qkv_proj.weight"):
+            base = name.removesuffix("qkv_proj.weight")
+            if t.shape[0] != q + 2 * kv:
+                raise UserError(f"{name} has {t.shape[0]} rows, config.json implies q + 2 kv = {q + 2 * kv}")
+            out[base + "q_proj.weight"], out[base + "k_proj.weight"], out[base + "v_proj.weight"] = \
+                (p.contiguous() for p in t.split([q, kv, kv]))
+        elif config.family.fused_gate_up and name.endswith("mlp.gate_up_proj.weight"):
+            base = name.removesuffix("gate_up_proj.weight")
+            if t.shape[0] != 2 * config.intermediate_size:
+                raise UserError(f"{name} has {t.shape[0]} rows, config.json implies 2 x {config.intermediate_size}")
+            out[base + "gate_proj.weight"], out[base + "up_proj.weight"] = (p.contiguous() for p in t.chunk(2))
+        elif config.norm_offset and name.endswith("norm.weight"):
+            out[name] = t + config.norm_offset
+        else:
+            out[name] = t
+    return out
+
+
+def to_hf_state(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """The inverse of `from_hf_state`: our tensors in the family's checkpoint layout."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        if config.family.fused_qkv and name.endswith("self_attn.q_proj.weight"):
+            base = name.removesuffix("q_proj.weight")
+            out[base + "qkv_proj.weight"] = torch.cat([t, state[base + "k_proj.weight"], state[base + "v_proj.weight"]])
+        elif config.family.fused_qkv and name.endswith(("self_attn.k_proj.weight", "self_attn.v_proj.weight")):
+            continue
+        elif config.family.fused_gate_up and name.endswith("mlp.gate_proj.weight"):
+            base = name.removesuffix("gate_proj.weight")
+            out[base + "gate_up_proj.weight"] = torch.cat([t, state[base + "up_proj.weight"]])
+        elif config.family.fused_gate_up and name.endswith("mlp.up_proj.weight"):
+            continue
+        elif config.norm_offset and name.endswith("norm.weight"):
+            out[name] = t - config.norm_offset
+        else:
+            out[name] = t
+    return out
 
 
 def write_side_files(folder: Path, tokenizer_dir: str | Path | None, extra_files: dict[str, str] | None) -> None:

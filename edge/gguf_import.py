@@ -36,7 +36,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from edgefinfer.checkpoint import save_model
 from edgefinfer.config import ModelConfig
 from edgefinfer.errors import UserError
-from edgefinfer.model import Transformer, rope_inv_freq
+from edgefinfer.model import Transformer
 from edgefinfer.model_files import check_gguf
 from edgefinfer.tokenizer import Tokenizer
 
@@ -285,7 +285,7 @@ def model_from_state(config: ModelConfig, state: dict[str, torch.Tensor], source
     model.load_state_dict(state, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.inv_freq = rope_inv_freq(config)  # buffers were created on the meta device
+    model.init_rope()  # buffers were created on the meta device
     return model.eval()
 
 

@@ -1,25 +1,35 @@
-"""One Llama-family decoder: Llama, Qwen2 (q/k/v bias), Mistral-style sliding-window attention.
+"""One decoder for every supported family, parameterised by the features of `ModelConfig`.
+
+Llama is the base; the features add Qwen2's q/k/v biases, Qwen3's and Gemma 3's per-head q/k norms,
+Gemma's sandwich norms, embedding scale, GELU-tanh MLP and `query_pre_attn_scalar`, sliding-window
+layers (all of them, Mistral; interleaved with global ones and a RoPE base per layer type, Gemma 3),
+no-RoPE layers (SmolLM3), partial rotary and RoPE scaling (Phi-4-mini's longrope, Llama 3's llama3,
+linear, YaRN). No code here tests a family's name.
 
 Module and parameter names follow Hugging Face's (`model.layers.N.self_attn.q_proj.weight`, ...), so
-a HF state dict loads as is. The forward pass has no data-dependent Python control flow, so
-torch.export can trace it; the KV cache is an argument (see `edgefinfer.cache`).
+a HF state dict loads as is (Phi-3's fused projections and Gemma's norm offset are converted at the
+checkpoint boundary, `edgefinfer.checkpoint`). The forward pass has no data-dependent Python control
+flow, so torch.export can trace it; the KV cache is an argument (see `edgefinfer.cache`).
 
 Shapes: B batch, S new tokens, T key slots, H query heads, Hkv key/value heads, D head dim.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from edgefinfer.cache import KVCache, attention_mask, effective_window
-from edgefinfer.config import ModelConfig
+from edgefinfer.config import ModelConfig, Rope
+
+# cos, sin [B, 1, S, R] of each distinct RoPE of the model, for this forward's positions.
+RopeTables = dict[Rope, tuple[Tensor, Tensor]]
 
 
 class RMSNorm(nn.Module):
+    """x / rms(x) * weight; `weight` is the gain itself (Gemma's 1 + w is added at load)."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
@@ -32,37 +42,29 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-def rope_inv_freq(config: ModelConfig) -> Tensor:
-    """Inverse frequencies [D/2], with the llama3 long-context scaling when the config asks for it."""
-    d = config.dim_per_head
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-    scaling = config.rope_scaling or {}
-    if scaling.get("rope_type", scaling.get("type")) != "llama3":
-        return inv_freq
-    # Llama 3.1: keep high frequencies, divide low ones by `factor`, interpolate smoothly between.
-    factor = scaling["factor"]
-    low_freq_factor = scaling.get("low_freq_factor", 1.0)
-    high_freq_factor = scaling.get("high_freq_factor", 4.0)
-    old_context = scaling.get("original_max_position_embeddings", 8192)
-    low_freq_wavelen = old_context / low_freq_factor
-    high_freq_wavelen = old_context / high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
+def rope_inv_freq(config: ModelConfig, rope: Rope | None = None) -> Tensor:
+    """Inverse frequencies [R/2] of `rope` (default: the first RoPE of the model)."""
+    rope = rope or (config.ropes() or [config.rope_of(0)])[0]
+    return rope.inv_freq_and_factor(config.max_position_embeddings)[0]
 
 
-def rope_cos_sin(inv_freq: Tensor, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """cos, sin [B, 1, S, D] for positions [B, S] (HF's half-split layout: the two halves share a frequency)."""
-    angles = positions[..., None].float() * inv_freq  # [B, S, D/2]
-    angles = torch.cat([angles, angles], dim=-1)  # [B, S, D]
-    return angles.cos().to(dtype)[:, None], angles.sin().to(dtype)[:, None]
+def rope_cos_sin(inv_freq: Tensor, positions: Tensor, dtype: torch.dtype,
+                 factor: float = 1.0) -> tuple[Tensor, Tensor]:
+    """cos, sin [B, 1, S, R] for positions [B, S] (HF's half-split layout: the two halves share a
+    frequency), times the RoPE's attention factor (YaRN, longrope)."""
+    angles = positions[..., None].float() * inv_freq  # [B, S, R/2]
+    angles = torch.cat([angles, angles], dim=-1)  # [B, S, R]
+    cos, sin = angles.cos(), angles.sin()
+    if factor != 1.0:
+        cos, sin = cos * factor, sin * factor
+    return cos.to(dtype)[:, None], sin.to(dtype)[:, None]
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x: [B, H, S, D]; rotate pairs (i, i + D/2)."""
+    """x: [..., D]; rotate pairs (i, i + R/2) of the first R = cos.shape[-1] dimensions, keep the rest."""
+    r = cos.shape[-1]
+    if r != x.shape[-1]:  # partial rotary (Phi-4-mini): the tail of each head passes through
+        return torch.cat([apply_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
     return x * cos + rotated * sin
@@ -75,19 +77,37 @@ class Attention(nn.Module):
         self.n_heads = config.num_attention_heads
         self.n_kv_heads = config.num_key_value_heads
         self.head_dim = config.dim_per_head
-        self.window = config.sliding_window
+        self.window = config.window_of(layer_idx)
+        self.rope = config.rope_of(layer_idx)  # None: a no-RoPE layer
+        self.scale = config.attention_scale
         d = config.hidden_size
         self.q_proj = nn.Linear(d, self.n_heads * self.head_dim, bias=config.qkv_bias)
         self.k_proj = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=config.qkv_bias)
         self.v_proj = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, d, bias=config.o_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor, cache: KVCache | None) -> Tensor:
+    def project_qkv(self, x: Tensor, ropes: RopeTables) -> tuple[Tensor, Tensor, Tensor]:
+        """x [B, S, d] -> q [B, S, H, D], k and v [B, S, Hkv, D]: projections, q/k norms, RoPE."""
         B, S, _ = x.shape
-        q = self.q_proj(x).view(B, S, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, S, D]
-        k = self.k_proj(x).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, S, D]
-        v = self.v_proj(x).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q = self.q_proj(x).view(B, S, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(B, S, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, S, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rope is not None:
+            cos, sin = ropes[self.rope]  # [B, 1, S, R] -> [B, S, 1, R] to meet heads in [B, S, H, D]
+            cos, sin = cos.transpose(1, 2), sin.transpose(1, 2)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return q, k, v
+
+    def forward(self, x: Tensor, ropes: RopeTables, input_pos: Tensor, cache: KVCache | None) -> Tensor:
+        B, S, _ = x.shape
+        q, k, v = (t.transpose(1, 2) for t in self.project_qkv(x, ropes))  # [B, H|Hkv, S, D]
 
         if cache is None:
             key_pos = input_pos
@@ -104,13 +124,20 @@ class Attention(nn.Module):
             gqa = False
         else:
             gqa = self.n_heads != self.n_kv_heads
-        y = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
+        y = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=self.scale,
                                            enable_gqa=gqa)  # [B, H, S, D]
         return self.o_proj(y.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim))
 
 
+def activation(name: str):
+    """The gate's activation of a gated MLP: silu (SwiGLU) or tanh-approximated GELU (GeGLU, Gemma)."""
+    if name == "gelu_pytorch_tanh":
+        return lambda x: F.gelu(x, approximate="tanh")
+    return F.silu
+
+
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """Gated MLP: down(act(gate(x)) * up(x))."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -118,22 +145,59 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(d, f, bias=config.mlp_bias)
         self.up_proj = nn.Linear(d, f, bias=config.mlp_bias)
         self.down_proj = nn.Linear(f, d, bias=config.mlp_bias)
+        self.act_name = config.hidden_act
+        self.act = activation(config.hidden_act)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm attention and MLP blocks on a residual stream; with sandwich norms (Gemma) each
+    block's output is normalised too before it is added.
+
+    Hugging Face's names differ by family: Llama's `post_attention_layernorm` is the MLP's input norm,
+    Gemma's is the attention output's (its MLP input norm is `pre_feedforward_layernorm`). Code that
+    walks a layer uses the role names `attn_norm`, `attn_out_norm`, `mlp_norm` and `mlp_out_norm`.
+    """
+
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
+        d, eps = config.hidden_size, config.rms_norm_eps
         self.self_attn = Attention(config, layer_idx)
         self.mlp = MLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(d, eps)
+        self.post_attention_layernorm = RMSNorm(d, eps)
+        self.sandwich = config.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(d, eps)
+            self.post_feedforward_layernorm = RMSNorm(d, eps)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor, cache: KVCache | None) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, input_pos, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    @property
+    def attn_norm(self) -> RMSNorm:
+        return self.input_layernorm
+
+    @property
+    def attn_out_norm(self) -> RMSNorm | None:
+        return self.post_attention_layernorm if self.sandwich else None
+
+    @property
+    def mlp_norm(self) -> RMSNorm:
+        return self.pre_feedforward_layernorm if self.sandwich else self.post_attention_layernorm
+
+    @property
+    def mlp_out_norm(self) -> RMSNorm | None:
+        return self.post_feedforward_layernorm if self.sandwich else None
+
+    @property
+    def mlp_norm_name(self) -> str:
+        return "pre_feedforward_layernorm" if self.sandwich else "post_attention_layernorm"
+
+    def forward(self, x: Tensor, ropes: RopeTables, input_pos: Tensor, cache: KVCache | None) -> Tensor:
+        h = self.self_attn(self.attn_norm(x), ropes, input_pos, cache)
+        x = x + (h if self.attn_out_norm is None else self.attn_out_norm(h))
+        h = self.mlp(self.mlp_norm(x))
+        return x + (h if self.mlp_out_norm is None else self.mlp_out_norm(h))
 
 
 class DecoderStack(nn.Module):
@@ -154,17 +218,40 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        self.init_rope()
+
+    def init_rope(self) -> None:
+        """(Re)compute the RoPE buffers: `inv_freq` of the first RoPE and one `inv_freq_{i}` per
+        distinct RoPE (a model built on the meta device calls this after loading its weights)."""
+        self.ropes = self.config.ropes()
+        self.rope_factors = [r.inv_freq_and_factor(self.config.max_position_embeddings)[1] for r in self.ropes]
+        for i, rope in enumerate(self.ropes):
+            self.register_buffer(f"inv_freq_{i}", rope.inv_freq_and_factor(self.config.max_position_embeddings)[0],
+                                 persistent=False)
+        first = self.ropes[0] if self.ropes else Rope(self.config.rope_theta, self.config.rotary_dim)
+        self.register_buffer("inv_freq", first.inv_freq_and_factor(self.config.max_position_embeddings)[0],
+                             persistent=False)
+
+    def rope_tables(self, input_pos: Tensor, dtype: torch.dtype) -> RopeTables:
+        """cos/sin of every distinct RoPE for positions [B, S] (computed once, shared by its layers)."""
+        return {rope: rope_cos_sin(getattr(self, f"inv_freq_{i}"), input_pos, dtype, self.rope_factors[i])
+                for i, rope in enumerate(self.ropes)}
+
+    def embed(self, tokens: Tensor) -> Tensor:
+        x = self.model.embed_tokens(tokens)  # [B, S, d]
+        if self.config.embedding_scale is not None:  # Gemma: the scale rounded to the weights' dtype
+            x = x * torch.tensor(self.config.embedding_scale, dtype=x.dtype)
+        return x
 
     def hidden_states(self, tokens: Tensor, input_pos: Tensor | None = None,
                       cache: KVCache | None = None) -> list[Tensor]:
         """The residual stream after the embedding and after every layer (the last one normalised)."""
         tokens, input_pos = _batched(tokens, input_pos)
-        x = self.model.embed_tokens(tokens)  # [B, S, d]
-        cos, sin = rope_cos_sin(self.inv_freq, input_pos, x.dtype)
+        x = self.embed(tokens)
+        ropes = self.rope_tables(input_pos, x.dtype)
         states = [x]
         for layer in self.model.layers:
-            x = layer(x, cos, sin, input_pos, cache)
+            x = layer(x, ropes, input_pos, cache)
             states.append(x)
         states[-1] = self.model.norm(x)
         return states
@@ -172,6 +259,11 @@ class Transformer(nn.Module):
     def forward(self, tokens: Tensor, input_pos: Tensor | None = None, cache: KVCache | None = None) -> Tensor:
         """tokens [B, S] (or [S]); input_pos [B, S] or [S] (default 0..S-1) -> logits [B, S, vocab]."""
         return self.lm_head(self.hidden_states(tokens, input_pos, cache)[-1])
+
+
+def first_rows(ropes: RopeTables, b: int) -> RopeTables:
+    """The tables of the first `b` sequences (calibration runs a batch smaller than its tables)."""
+    return {rope: (cos[:b], sin[:b]) for rope, (cos, sin) in ropes.items()}
 
 
 def _batched(tokens: Tensor, input_pos: Tensor | None) -> tuple[Tensor, Tensor]:

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from edgefinfer.errors import UserError
-from edgefinfer.model import DecoderLayer, Transformer, rope_cos_sin
+from edgefinfer.model import DecoderLayer, Transformer, first_rows
 
 # The Linear layers of a decoder layer, by their name inside it; pruning touches these and nothing else
 # (embeddings, norms and lm_head stay dense, as in the Wanda and SparseGPT papers).
@@ -94,8 +94,8 @@ class LayerwiseRunner:
         N, S = blocks.shape
         self.pos = torch.arange(S, device=device)[None].expand(min(N, self.chunk), S)  # [b, S]
         with torch.no_grad():
-            self.x = model.model.embed_tokens(blocks)  # [N, S, d]
-        self.cos, self.sin = rope_cos_sin(model.inv_freq, self.pos, self.x.dtype)
+            self.x = model.embed(blocks)  # [N, S, d]
+        self.ropes = model.rope_tables(self.pos, self.x.dtype)
 
     def layers(self) -> Iterator[tuple[int, DecoderLayer]]:
         return iter(enumerate(self.model.model.layers))  # type: ignore[arg-type]
@@ -107,7 +107,7 @@ class LayerwiseRunner:
         for begin in range(0, self.x.shape[0], self.chunk):
             x = self.x[begin: begin + self.chunk]  # [b, S, d]
             b = x.shape[0]
-            outs.append(layer(x, self.cos[:b], self.sin[:b], self.pos[:b], None))
+            outs.append(layer(x, first_rows(self.ropes, b), self.pos[:b], None))
         return torch.cat(outs)
 
     def collect(self, layer: nn.Module, gram: bool = False) -> dict[str, InputStats]:

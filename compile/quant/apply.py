@@ -18,6 +18,7 @@ from edgefinfer.compile.quant import awq as awq_mod
 from edgefinfer.compile.quant.calibrate import (INPUT_GROUPS, ActivationSampler, HessianAccumulator, LayerRunner,
                                                 capture_inputs)
 from edgefinfer.compile.quant.gptq import gptq_damp_sweep, gptq_quantize
+from edgefinfer.model import first_rows
 from edgefinfer.compile.quant.modules import Fp8Linear, QuantEmbedding, QuantLinear, model_size_bytes, tied_head
 from edgefinfer.compile.quant.primitives import IntWeights, quantize_fp8, quantize_int
 from edgefinfer.compile.quant.recipe import QuantRecipe, WeightFormat
@@ -255,8 +256,8 @@ def _awq_layer(layer: nn.Module, runner: LayerRunner, fmts: dict[str, WeightForm
             b = seqs.shape[0]
             attn = layer.self_attn
             objective = awq_mod.block_objective(
-                lambda h: attn(h, runner.cos[:b], runner.sin[:b], runner.positions[:b], None), seqs, consumers, formats)
-        elif recipe.awq.objective == "block" and g.producer == "post_attention_layernorm":
+                lambda h: attn(h, first_rows(runner.ropes, b), runner.positions[:b], None), seqs, consumers, formats)
+        elif recipe.awq.objective == "block" and g.producer == layer.mlp_norm_name:
             objective = awq_mod.block_objective(layer.mlp, x, consumers, formats)
         s, loss, rtn_loss = awq_mod.search_scale(x, sampler.mean_abs(g.inputs), weights, formats, recipe.awq, objective)
         awq_mod.fold_scale(layer, g, s)

@@ -62,7 +62,7 @@ def scaling_groups(layer: nn.Module) -> list[ScalingGroup]:
     if attn.n_heads == attn.n_kv_heads:
         groups.append(ScalingGroup("self_attn.v_proj", ("self_attn.o_proj",), "self_attn.o_proj"))
     groups += [
-        ScalingGroup("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), "mlp.gate_proj"),
+        ScalingGroup(layer.mlp_norm_name, ("mlp.gate_proj", "mlp.up_proj"), "mlp.gate_proj"),
         ScalingGroup("mlp.up_proj", ("mlp.down_proj",), "mlp.down_proj"),
     ]
     return groups

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from edgefinfer.errors import UserError
-from edgefinfer.model import Transformer, rope_cos_sin
+from edgefinfer.model import Transformer, first_rows
 
 # The linears of a decoder layer grouped by the tensor they read, in execution order.
 INPUT_GROUPS: tuple[tuple[str, ...], ...] = (
@@ -43,8 +43,8 @@ class LayerRunner:
         n, s = blocks.shape
         self.positions = torch.arange(s)[None].expand(min(batch_size, n), s)  # [b, S]
         with torch.no_grad():
-            self.hidden = model.model.embed_tokens(blocks).float()  # [N, S, D]
-        self.cos, self.sin = rope_cos_sin(model.inv_freq, self.positions, self.hidden.dtype)
+            self.hidden = model.embed(blocks).float()  # [N, S, D]
+        self.ropes = model.rope_tables(self.positions, self.hidden.dtype)
 
     @property
     def tokens(self) -> int:
@@ -55,7 +55,7 @@ class LayerRunner:
 
     def _call(self, layer: nn.Module, x: Tensor) -> Tensor:
         b = x.shape[0]
-        return layer(x, self.cos[:b], self.sin[:b], self.positions[:b], None)
+        return layer(x, first_rows(self.ropes, b), self.positions[:b], None)
 
     @torch.no_grad()
     def run(self, layer: nn.Module, until_stop: bool = False) -> Tensor | None:

@@ -30,7 +30,7 @@ from edgefinfer.compile.quant.apply import LM_HEAD, set_module
 from edgefinfer.compile.quant.modules import Fp8Linear, QuantEmbedding, QuantLinear, tied_head
 from edgefinfer.compile.quant.recipe import QuantRecipe, WeightFormat
 from edgefinfer.errors import UserError
-from edgefinfer.model import Transformer, rope_inv_freq
+from edgefinfer.model import Transformer
 
 QUANT_METHOD = "edgefinfer"
 FORMAT_VERSION = 1
@@ -114,7 +114,7 @@ def load_quantized(path: str | Path, dtype: torch.dtype = torch.float32) -> tupl
         model.lm_head = tied_head(model.model.embed_tokens, bool(qc.get("tied_head_act_quant", False)))
     elif config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.inv_freq = rope_inv_freq(config)
+    model.init_rope()
     for p in model.parameters():  # float parameters only: codes and scales keep their storage types
         p.data = p.data.to(dtype)
     return model.eval(), recipe

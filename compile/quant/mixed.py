@@ -28,7 +28,7 @@ from edgefinfer.compile.quant.modules import FLOAT_BYTES
 from edgefinfer.compile.quant.primitives import dequantize_fp8, dequantize_int, quantize_fp8, quantize_int
 from edgefinfer.compile.quant.recipe import QuantRecipe, WeightFormat
 from edgefinfer.errors import UserError
-from edgefinfer.model import Transformer, rope_cos_sin
+from edgefinfer.model import Transformer
 
 Progress = Callable[[str], None]
 
@@ -87,9 +87,9 @@ def _fake_quant(w: Tensor, fmt: WeightFormat) -> Tensor:
 @torch.no_grad()
 def _tail_logprobs(model: Transformer, x: Tensor, start: int, positions: Tensor) -> Tensor:
     """log-softmax of the logits [B, S, V] from the residual stream entering layer `start`."""
-    cos, sin = rope_cos_sin(model.inv_freq, positions, x.dtype)
+    ropes = model.rope_tables(positions, x.dtype)
     for layer in model.model.layers[start:]:
-        x = layer(x, cos, sin, positions, None)
+        x = layer(x, ropes, positions, None)
     return model.lm_head(model.model.norm(x)).float().log_softmax(-1)
 
 

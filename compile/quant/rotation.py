@@ -173,6 +173,10 @@ def check_rotatable(model: nn.Module) -> None:
                             "-rot recipe)")
         raise UserError(f"cannot rotate: {name} is a {type(m).__name__}, which a rotation cannot be folded into "
                         "(only RMSNorm, float nn.Linear and nn.Embedding in a Llama-family decoder)")
+    if model.config.sandwich_norms:
+        raise UserError("cannot rotate: this model normalises its attention and MLP outputs (sandwich norms, Gemma), "
+                        "and a norm's gain on a block output cannot be folded into a rotated residual stream; "
+                        "use a recipe without -rot")
     w = model.lm_head.weight
     if w.device.type == "meta" or not w.dtype.is_floating_point:
         raise UserError("cannot rotate: the model's weights are not loaded float tensors")
@@ -224,7 +228,7 @@ def _fold_norms(model: Transformer) -> None:
     stack = model.model
     pairs = [(layer.input_layernorm, (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj))
              for layer in stack.layers]
-    pairs += [(layer.post_attention_layernorm, (layer.mlp.gate_proj, layer.mlp.up_proj)) for layer in stack.layers]
+    pairs += [(layer.mlp_norm, (layer.mlp.gate_proj, layer.mlp.up_proj)) for layer in stack.layers]
     pairs.append((stack.norm, (model.lm_head,)))
     for norm, readers in pairs:
         g = norm.weight.double()

@@ -1,0 +1,85 @@
+"""Tiny configurations of every supported family, built from transformers' own config and model classes.
+
+Each entry exercises the features its family adds: Llama 3.2's llama3 RoPE and tied embeddings,
+Qwen2's q/k/v biases and sliding suffix, Qwen3's q/k norms with an independent head_dim, Gemma 3's
+norms, embedding scale, GELU-tanh, query_pre_attn_scalar, interleaved local/global layers with a RoPE
+base per layer type and a scaled global RoPE, Phi-3's fused projections with partial rotary and
+longrope, SmolLM3's no-RoPE layers, Mistral's window on every layer. Windows are 4 positions, so a
+12-token test sequence runs well past them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+NAMES = ("llama", "qwen2", "qwen3", "gemma3", "phi3", "smollm3", "mistral")
+WINDOW = 4
+_SIZES = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=128, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def hf_config(name: str):
+    """transformers' config object of the tiny `name` model."""
+    import transformers as tf
+
+    if name == "llama":
+        return tf.LlamaConfig(**_SIZES, num_hidden_layers=3, head_dim=16, tie_word_embeddings=True,
+                              rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                               "original_max_position_embeddings": 16})
+    if name == "qwen2":
+        return tf.Qwen2Config(**_SIZES, num_hidden_layers=3, use_sliding_window=True, sliding_window=WINDOW,
+                              max_window_layers=1, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    if name == "qwen3":
+        return tf.Qwen3Config(**_SIZES, num_hidden_layers=2, head_dim=32, tie_word_embeddings=True,
+                              rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+                                               "original_max_position_embeddings": 32})
+    if name == "gemma3":
+        return tf.Gemma3TextConfig(**{**_SIZES, "num_key_value_heads": 1}, num_hidden_layers=3, head_dim=32,
+                                   query_pre_attn_scalar=24, sliding_window=WINDOW,
+                                   layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                                    "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                       "rope_theta": 1e6}})
+    if name == "phi3":
+        half = int(16 * 0.5) // 2  # rotary dims / 2 frequencies
+        return tf.Phi3Config(**_SIZES, num_hidden_layers=2, original_max_position_embeddings=64,
+                             rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                              "partial_rotary_factor": 0.5,
+                                              "short_factor": [1.0 + 0.1 * i for i in range(half)],
+                                              "long_factor": [2.0 + 0.5 * i for i in range(half)],
+                                              "original_max_position_embeddings": 64})
+    if name == "smollm3":
+        return tf.SmolLM3Config(**_SIZES, num_hidden_layers=4, no_rope_layer_interval=2,
+                                rope_parameters={"rope_type": "default", "rope_theta": 2e6})
+    if name == "mistral":
+        return tf.MistralConfig(**_SIZES, num_hidden_layers=2, sliding_window=WINDOW,
+                                rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    raise KeyError(name)
+
+
+def hf_model(name: str, seed: int = 0):
+    """The tiny transformers model with random weights large enough for peaked, distinct logits."""
+    import transformers as tf
+
+    config = hf_config(name)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith("norm.weight"):
+                # Gemma's norms multiply by 1 + w: keep every gain near 1 either way
+                p.uniform_(-0.2, 0.2) if name == "gemma3" else p.uniform_(0.8, 1.2)
+            else:
+                p.normal_(0.0, 0.15)
+    return model
+
+
+def save_hf(name: str, folder: Path, seed: int = 0):
+    """Write the tiny model as a Hugging Face folder; returns the transformers model."""
+    model = hf_model(name, seed)
+    model.save_pretrained(folder)
+    return model
