@@ -15,7 +15,6 @@ from edgefinfer.compile.quant.modules import Fp8Linear, QuantEmbedding, QuantLin
 from edgefinfer.compile.quant.primitives import dequantize_int, int_error_bound, quantize_int
 from edgefinfer.compile.quant.recipe import AWQSettings, GPTQSettings, WeightFormat, parse_recipe
 from edgefinfer.errors import UserError
-from edgefinfer.model import rope_cos_sin
 from tests.helpers import tiny_model
 
 
@@ -251,8 +250,8 @@ def test_block_objective_scores_the_attention_output_and_restores_the_weights():
     attn = model.model.layers[0].self_attn
     x = correlated_inputs(2 * 16, 64).reshape(2, 16, 64)
     positions = torch.arange(16)[None].expand(2, 16)
-    cos, sin = rope_cos_sin(model.inv_freq, positions, x.dtype)
-    forward = lambda h: attn(h, cos, sin, positions, None)  # noqa: E731
+    ropes = model.rope_tables(positions, x.dtype)
+    forward = lambda h: attn(h, ropes, positions, None)  # noqa: E731
     consumers = [attn.q_proj, attn.k_proj, attn.v_proj]
     before = [c.weight.clone() for c in consumers]
     fmt = WeightFormat("int", 4, 32, True)
@@ -261,7 +260,7 @@ def test_block_objective_scores_the_attention_output_and_restores_the_weights():
     for c in (quantized.q_proj, quantized.k_proj, quantized.v_proj):
         c.weight.data = dequantize_int(*quantize_int(c.weight.data, fmt))
     with torch.no_grad():
-        expected = ((quantized(x, cos, sin, positions, None) - forward(x)) ** 2).mean().item()
+        expected = ((quantized(x, ropes, positions, None) - forward(x)) ** 2).mean().item()
     assert loss(torch.ones(64)) == pytest.approx(expected, rel=1e-5)
     assert all(torch.equal(c.weight, b) for c, b in zip(consumers, before))  # each call puts the float weights back
     s, best, rtn = search_scale(x.reshape(-1, 64), x.reshape(-1, 64).abs().mean(0), [c.weight for c in consumers],
