@@ -72,6 +72,10 @@ def config_from_json(spec: dict[str, Any], teacher: ModelConfig) -> ModelConfig:
         base = teacher.to_hf()
         if {"hidden_size", "num_attention_heads"} & set(spec) and "head_dim" not in spec:
             base.pop("head_dim")  # re-derive it from the new width and head count
+        if "num_hidden_layers" in spec:  # per-layer lists follow the family's own pattern for the new depth
+            for key in ("layer_types", "no_rope_layers"):
+                if key not in spec:
+                    base.pop(key, None)
         try:
             config = ModelConfig.from_hf({**base, **spec})
         except (TypeError, KeyError) as e:

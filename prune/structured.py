@@ -70,10 +70,13 @@ def check_shape(config: ModelConfig, shape: Shape) -> None:
         raise UserError(f"keep between 1 and {full.intermediate_size} MLP channels, got {shape.intermediate_size}")
 
 
-def pruned_config(config: ModelConfig, shape: Shape) -> ModelConfig:
+def pruned_config(config: ModelConfig, shape: Shape, layers: list[int] | None = None) -> ModelConfig:
+    """The config of `shape`; `layers` are the kept layers' indices (default the first ones), whose
+    per-layer features (attention type, RoPE) the pruned model keeps."""
     check_shape(config, shape)
+    config = config.keep_layers(layers if layers is not None else list(range(shape.layers)))
     # head_dim is pinned: hidden_size / heads no longer gives it once heads are removed.
-    return config.replace(num_hidden_layers=shape.layers, num_key_value_heads=shape.kv_heads,
+    return config.replace(num_key_value_heads=shape.kv_heads,
                           num_attention_heads=shape.heads, intermediate_size=shape.intermediate_size,
                           head_dim=config.dim_per_head)
 
@@ -219,7 +222,7 @@ def prune_to(model: Transformer, kept: Kept) -> Transformer:
     cfg = model.config
     D = cfg.dim_per_head
     shape = Shape(len(kept.layers), len(kept.kv_heads[0]), len(kept.heads[0]), len(kept.channels[0]))
-    new_cfg = pruned_config(cfg, shape)
+    new_cfg = pruned_config(cfg, shape, kept.layers)
     src = model.state_dict()
     state: dict[str, Tensor] = {k: v for k, v in src.items() if not k.startswith("model.layers.")}
     for new_i, old_i in enumerate(kept.layers):

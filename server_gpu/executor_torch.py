@@ -40,8 +40,9 @@ class TorchExecutor:
             raise UserError("--device cuda but torch sees no CUDA device; use --device cpu")
         self.model = model.to(self.device).eval()
         self.vocab_size = cfg.vocab_size
-        # The model masks by its window from key positions, so the blocks behind it can go.
-        self.sliding_window = cfg.sliding_window
+        # The model masks by its windows from key positions, so when every layer slides the blocks
+        # behind the window can go (a model with global layers keeps them all).
+        self.sliding_window = cfg.uniform_window
         self.max_num_seqs = max_num_seqs
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.block_size = block_size

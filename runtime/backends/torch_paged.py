@@ -25,8 +25,9 @@ class PagedTorchBackend:
         self.vocab_size = model.config.vocab_size
         self.max_seq_len = max_seq_len or model.config.max_position_embeddings
         num_blocks = -(-self.max_seq_len // block_size)
-        # A sliding-window model: the manager drops the blocks behind the window as the sequence grows.
-        self.manager = PagedKVManager(num_blocks, block_size, sliding_window=model.config.sliding_window)
+        # A model whose every layer slides: the manager drops the blocks behind the window as the sequence
+        # grows (with global layers, e.g. Gemma 3, every block stays: those layers read them all).
+        self.manager = PagedKVManager(num_blocks, block_size, sliding_window=model.config.uniform_window)
         self.storage = PagedTensorStorage(model.config, num_blocks, block_size,
                                           dtype=next(model.parameters()).dtype)
 
