@@ -526,7 +526,14 @@ def _read_gemma3(hf: dict[str, Any]) -> ModelConfig:
                    qkv_bias=bool(hf.get("attention_bias", False)), o_bias=bool(hf.get("attention_bias", False)))
 
 
+def _heads_divide(c: ModelConfig, family: str) -> None:
+    if c.hidden_size % c.num_attention_heads:
+        raise UserError(f"transformers' {family} config requires hidden_size ({c.hidden_size}) to be a multiple of "
+                        f"num_attention_heads ({c.num_attention_heads}); keep more heads when pruning this model")
+
+
 def _write_gemma3(c: ModelConfig) -> dict[str, Any]:
+    _heads_divide(c, "Gemma 3")
     _refuse_features(c, "Gemma 3", qk_norm=True, sandwich_norms=True, norm_offset=True, embedding_scale=True,
                      rope_local_theta=True, query_pre_attn_scalar=True, gelu=True)
     if not (c.qk_norm and c.sandwich_norms and c.norm_offset == 1.0 and c.embedding_scale is not None):
@@ -552,6 +559,10 @@ def _read_phi3(hf: dict[str, Any]) -> ModelConfig:
 
 def _write_phi3(c: ModelConfig) -> dict[str, Any]:
     _refuse_features(c, "Phi-3", partial_rotary=True)
+    _heads_divide(c, "Phi-3")
+    if c.dim_per_head * c.num_attention_heads != c.hidden_size:
+        raise UserError("a Phi-3 checkpoint derives head_dim from hidden_size / num_attention_heads; this model's "
+                        f"head_dim {c.dim_per_head} differs")
     if c.qkv_bias or c.o_bias or c.mlp_bias:
         raise UserError("a Phi-3 checkpoint has no biases")
     hf = _base_hf(c)
