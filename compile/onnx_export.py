@@ -3,11 +3,21 @@
 The graph is the one ONNX Runtime's own model builder emits for Llama-family models, built from
 our module tree instead of traced (see `onnx_graph` for why):
 
-    input_ids [B, S] ──Gather / GatherBlockQuantized──► x
+    input_ids [B, S] ──Gather / GatherBlockQuantized──► x (× embedding scale)
     per layer:  (Skip)SimplifiedLayerNormalization ─► packed QKV MatMul(NBits)
+                [─► Split, per-head q/k SimplifiedLayerNormalization]
                 ─► GroupQueryAttention (RoPE inside; past/present share one buffer; local window)
-                ─► o_proj ─► SkipSimplifiedLayerNormalization ─► packed gate|up ─► SiLU·up ─► down
+                ─► o_proj [─► SimplifiedLayerNormalization (sandwich)]
+                ─► SkipSimplifiedLayerNormalization ─► packed gate|up ─► SiLU|GELU-tanh·up ─► down
+                [─► SimplifiedLayerNormalization (sandwich)]
     final SkipSimplifiedLayerNormalization ─► lm_head ─► logits [B, S, V] (float32)
+
+The model's features map to per-layer attributes and inputs: each layer's GQA has its own
+`local_window_size` (`cfg.window_of(i)`), its RoPE's cos/sin tables (one pair per distinct `Rope`,
+the attention factor folded in) or `do_rotary=0` (a no-RoPE layer), and `scale`
+(`query_pre_attn_scalar`). GQA rotates the first R dims itself when its kernel takes that table
+width (R/2 a multiple of 8); otherwise RoPE runs before GQA as `RotaryEmbedding` with
+`rotary_embedding_dim`, on positions derived from `attention_mask`.
 
 I/O names follow onnxruntime-genai (`input_ids`, `attention_mask`, `past_key_values.{i}.key/value`
 -> `logits`, `present.{i}.key/value`), KV layout BNSH [B, Hkv, T, D], so `genai_config.json` lets
@@ -63,6 +73,11 @@ KVLayout = Literal["static", "window"]
 WEIGHTS: tuple[str, ...] = ("fp32", "fp16", "int8", "int4")
 MODEL_FILE = "model.onnx"
 GENAI_CONFIG = "genai_config.json"
+# onnxruntime-genai's `model.type` for each family: what its model builder writes (the architecture
+# name without ForCausalLM, Gemma 3's text decoder as gemma3_text); every one is a decoder type
+# onnxruntime-genai 0.18 accepts.
+GENAI_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
+               "gemma3_text": "gemma3_text", "phi3": "phi3", "smollm3": "smollm3"}
 
 
 # ---- public API -----------------------------------------------------------------------------------
@@ -81,8 +96,11 @@ def export_onnx(model: Transformer, out_dir: str | Path, *, weights: Weights | N
         `embedding` bits (default: the same as the linears; "float" keeps them float).
     kv: "static" (a `max_seq_len`-slot buffer, onnxruntime-genai compatible) or "window" (a
         `window + lookahead`-slot buffer that streams without a length limit; see the module doc).
-    window: sliding-window attention (the query sees itself and the window-1 previous positions);
-        default the model's own `sliding_window`; required for kv="window".
+    window: sliding-window attention (the query sees itself and the window-1 previous positions).
+        kv="static": default each layer's own window (`cfg.window_of(i)`: global layers of an
+        interleaved model see everything); a number tightens every layer's to it. kv="window": the
+        cache's window, one for every layer (default the model's `sliding_window`; a global layer is
+        windowed by it too, as the torch window cache does); required when the model has none.
     lookahead: kv="window" only: slots beyond the window (default window // 4). GQA compacts the
         buffer every lookahead + 1 tokens, so more slots mean rarer compactions and more memory.
     max_seq_len: kv="static" only: positions the KV buffer and the RoPE tables cover (default
@@ -97,19 +115,20 @@ def export_onnx(model: Transformer, out_dir: str | Path, *, weights: Weights | N
     cfg = model.config
     model, recipe = _resolve_weights(model, weights, block_size, symmetric, embedding)
     io_dtype = np.float16 if weights == "fp16" else np.float32
-    window = cfg.sliding_window if window is None else window
     if window is not None and window < 1:
         raise UserError(f"the attention window must be >= 1 token, got {window}")
-    slots = _cache_slots(kv, window, lookahead, max_seq_len)
+    slots = _cache_slots(kv, cfg.sliding_window if window is None else window, lookahead, max_seq_len)
     max_seq_len = None if kv == "window" else max_seq_len or cfg.max_position_embeddings
     if accuracy_level not in (0, 1, 2, 3, 4):
         raise UserError(f"accuracy_level must be 0..4 (MatMulNBits' activation precision), got {accuracy_level}")
 
     builder = GraphBuilder()
-    emit_decoder(FusedForm(builder, model, io_dtype, window, max_seq_len, accuracy_level, pack_gate_up,
-                           window_slots=slots if kv == "window" else None), model)
+    form = FusedForm(builder, model, io_dtype, window, max_seq_len, accuracy_level, pack_gate_up,
+                     window_slots=slots if kv == "window" else None)
+    emit_decoder(form, model)
     kind = recipe or ("fp16" if io_dtype == np.float16 else _weights_label(model))
     streams = kv == "window"
+    window = form.window
     spec = ArtefactSpec(
         "onnx", KVCache(kv, max_seq_len=max_seq_len, window=window, slots=slots if streams else None,
                         lookahead=slots - window if streams else None),
@@ -162,7 +181,7 @@ def genai_config(cfg: ModelConfig, filename: str, max_seq_len: int) -> dict[str,
             },
             "eos_token_id": eos[0] if len(eos) == 1 else eos,
             "pad_token_id": cfg.pad_token_id if cfg.pad_token_id is not None else (eos[0] if eos else 0),
-            "type": cfg.model_type,
+            "type": GENAI_TYPES.get(cfg.model_type, cfg.model_type),
             "vocab_size": cfg.vocab_size,
         },
         "search": {"do_sample": False, "early_stopping": True, "max_length": max_seq_len, "min_length": 0,
@@ -194,11 +213,40 @@ def _cache_slots(kv: str, window: int | None, lookahead: int | None, max_seq_len
     return window + lookahead
 
 
-def rope_tables(model: Transformer, max_seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin [max_seq_len, D/2] computed exactly as the eager model does (float32 angles)."""
-    inv_freq = model.inv_freq.detach().float().cpu()
-    angles = torch.arange(max_seq_len).float()[:, None] * inv_freq  # [T, D/2]
-    return angles.cos().numpy(), angles.sin().numpy()
+def rope_tables(model: Transformer, max_seq_len: int, index: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin [max_seq_len, R/2] of the model's `index`-th distinct RoPE (`model.ropes`), computed
+    exactly as the eager model does (float32 angles), times its attention factor."""
+    inv_freq, factor = rope_inv_freq(model, index)
+    angles = torch.arange(max_seq_len).float()[:, None] * torch.from_numpy(inv_freq)  # [T, R/2]
+    cos, sin = angles.cos(), angles.sin()
+    if factor != 1.0:
+        cos, sin = cos * factor, sin * factor
+    return cos.numpy(), sin.numpy()
+
+
+def rope_inv_freq(model: Transformer, index: int = 0) -> tuple[np.ndarray, float]:
+    """(inverse frequencies [R/2] float32, attention factor) of the model's `index`-th RoPE."""
+    inv_freq = getattr(model, f"inv_freq_{index}", None) if model.ropes else None
+    if inv_freq is None:
+        inv_freq = model.inv_freq
+    factor = model.rope_factors[index] if model.ropes else 1.0
+    return inv_freq.detach().float().cpu().numpy(), float(factor)
+
+
+def layer_windows(cfg: ModelConfig, window: int | None) -> list[int | None]:
+    """Each layer's attention window: its own (`cfg.window_of`), tightened to `window` if given."""
+    out = []
+    for i in range(cfg.num_hidden_layers):
+        own = [w for w in (cfg.window_of(i), window) if w is not None]
+        out.append(min(own) if own else None)
+    return out
+
+
+def gqa_rotates(rotary_dim: int, head_dim: int) -> bool:
+    """Whether GroupQueryAttention's own RoPE takes a table of rotary_dim / 2 columns (its kernel
+    requires a multiple of 8, at most (head_dim // 16) * 8; measured on ONNX Runtime 1.31)."""
+    half = rotary_dim // 2
+    return half % 8 == 0 and 0 < half <= (head_dim // 16) * 8
 
 
 # ---- weights -----------------------------------------------------------------------------------------
@@ -276,6 +324,7 @@ class DecoderForm(Protocol):
 
     def embed(self) -> Stream: ...
     def norm(self, stream: Stream, norm: nn.Module, name: str) -> tuple[ir.Value, Stream]: ...
+    def out_norm(self, out: ir.Value, norm: nn.Module, name: str) -> ir.Value: ...
     def add(self, stream: Stream, out: ir.Value, name: str) -> Stream: ...
     def final_norm(self, stream: Stream, norm: nn.Module) -> ir.Value: ...
     def attention(self, h: ir.Value, attn: nn.Module, i: int) -> ir.Value: ...
@@ -285,16 +334,24 @@ class DecoderForm(Protocol):
 
 
 def emit_decoder(form: DecoderForm, model: Transformer) -> None:
-    """The decoder, written once for both forms: embedding, pre-norm attention and MLP blocks on a
-    residual stream, final norm, output head."""
+    """The decoder, written once for both forms: embedding (scaled by the form when the model says
+    so), pre-norm attention and MLP blocks on a residual stream (each block's output normalised first
+    with sandwich norms), final norm, output head. Norms are walked by role (`DecoderLayer.attn_norm`
+    ...), never by Hugging Face name: Llama's post_attention_layernorm is Gemma's attention output norm."""
     b = form.b
     stream = form.embed()
     for i, layer in enumerate(model.model.layers):
         b.scope = f"/model/layers.{i}"
-        h, stream = form.norm(stream, layer.input_layernorm, "input_layernorm")
-        stream = form.add(stream, form.attention(h, layer.self_attn, i), "attn_residual")
-        h, stream = form.norm(stream, layer.post_attention_layernorm, "post_attention_layernorm")
-        stream = form.add(stream, form.mlp(h, layer.mlp), "mlp_residual")
+        h, stream = form.norm(stream, layer.attn_norm, "input_layernorm")
+        out = form.attention(h, layer.self_attn, i)
+        if layer.attn_out_norm is not None:
+            out = form.out_norm(out, layer.attn_out_norm, "post_attention_layernorm")
+        stream = form.add(stream, out, "attn_residual")
+        h, stream = form.norm(stream, layer.mlp_norm, layer.mlp_norm_name)
+        out = form.mlp(h, layer.mlp)
+        if layer.mlp_out_norm is not None:
+            out = form.out_norm(out, layer.mlp_out_norm, "post_feedforward_layernorm")
+        stream = form.add(stream, out, "mlp_residual")
     b.scope = "/model"
     h = form.final_norm(stream, model.model.norm)
     b.scope = "/lm_head"
@@ -307,19 +364,34 @@ class FusedForm:
 
     def __init__(self, b: GraphBuilder, model: Transformer, io_dtype: np.dtype, window: int | None,
                  max_seq_len: int | None, accuracy_level: int, pack_gate_up: bool, window_slots: int | None):
-        """max_seq_len None: the window form (RoPE from positions, GQA's windowed cache of `window_slots`)."""
+        """max_seq_len None: the window form (RoPE from positions, GQA's windowed cache of `window_slots`).
+        window: None keeps each layer's own window (`cfg.window_of`); a number tightens every layer's
+        to it (the window form's cache window: the model's `sliding_window` by default)."""
         self.b, self.model, self.cfg = b, model, model.config
+        cfg = self.cfg
         self.dtype = np.dtype(io_dtype)
-        self.window = window
         self.max_seq_len = max_seq_len
         self.accuracy_level = accuracy_level
         self.pack_gate_up = pack_gate_up
+        streaming = max_seq_len is None
+        if streaming and window is None:
+            window = cfg.sliding_window
+        self.windows = layer_windows(cfg, window)
+        if streaming:  # one buffer layout, evicted by GQA at one window, for every layer
+            narrow = next((i for i, w in enumerate(self.windows) if w != window), None)
+            if narrow is not None:
+                raise UserError(f"kv='window' keeps one window of {window} positions for every layer, but layer "
+                                f"{narrow} attends to only {self.windows[narrow]}; export with window <= "
+                                f"{self.windows[narrow]}")
+        # The window the artefact declares: the one every layer has, else None (some layer sees more).
+        self.window = self.windows[0] if len(set(self.windows)) == 1 else None
         self.presents: list[tuple[ir.Value, str, list]] = []
-        self.io = _declare_io(b, self.cfg, self.dtype, window_slots)
+        self.io = _declare_io(b, cfg, self.dtype, window_slots)
+        self.positions: ir.Value | None = None  # [B, S] int64 or a [1] offset, for RoPE outside GQA
         if "attention_mask" in self.io:
-            self.seqlens_k, self.total_len, self.rope = self.lengths_from_mask(self.io["attention_mask"])
+            self.seqlens_k, self.total_len, self.ropes = self.lengths_from_mask(self.io["attention_mask"])
         else:
-            self.seqlens_k, self.total_len, self.rope = self.lengths_from_positions(self.io["position_ids"])
+            self.seqlens_k, self.total_len, self.ropes = self.lengths_from_positions(self.io["position_ids"])
         self.emb: EmbeddingSpec | None = None
 
     # -- building blocks --
@@ -353,10 +425,18 @@ class FusedForm:
     def spec(self, module: nn.Module, name: str) -> LinearSpec:
         return linear_spec(module, self.dtype, name)
 
+    def gamma(self, name: str, weight: nn.Parameter) -> ir.Value:
+        return self.b.const(f"{self.b.scope}/{name}.weight", weight.detach().float().numpy().astype(self.dtype))
+
+    def simple_norm(self, x: ir.Value, weight: nn.Parameter, name: str) -> ir.Value:
+        """RMSNorm over the last axis (float32 inside, as the eager model)."""
+        return self.b.op("SimplifiedLayerNormalization", [x, self.gamma(name, weight)], name, axis=-1,
+                         epsilon=self.cfg.rms_norm_eps, stash_type=1)
+
     def skip_norm(self, x: ir.Value, skip: ir.Value, weight: nn.Parameter, name: str,
                   with_sum: bool = True) -> tuple[ir.Value, ir.Value | None]:
         """(normalised x + skip, x + skip) in one kernel."""
-        gamma = self.b.const(f"{self.b.scope}/{name}.weight", weight.detach().float().numpy().astype(self.dtype))
+        gamma = self.gamma(name, weight)
         if not with_sum:
             return self.b.op("SkipSimplifiedLayerNormalization", [x, skip, gamma], name, domain=MS_DOMAIN,
                              epsilon=self.cfg.rms_norm_eps), None
@@ -367,20 +447,26 @@ class FusedForm:
 
     # -- the form's blocks (see DecoderForm) --
     def embed(self) -> tuple[ir.Value, None]:
-        self.b.scope = "/model/embed_tokens"
+        b = self.b
+        b.scope = "/model/embed_tokens"
         self.emb = embedding_spec(self.model.model.embed_tokens, self.dtype)
-        return self.token_embedding(self.io["input_ids"], self.emb), None
+        x = self.token_embedding(self.io["input_ids"], self.emb)
+        if self.cfg.embedding_scale is not None:  # the scale rounded to the activations' dtype, as eager
+            x = b.op("Mul", [x, b.const("embedding_scale", np.array(self.cfg.embedding_scale, self.dtype))], "Scale")
+        return x, None
 
     def norm(self, stream: tuple[ir.Value, ir.Value | None], norm: nn.Module,
              name: str) -> tuple[ir.Value, tuple[ir.Value, None]]:
         residual, pending = stream
         if pending is None:  # the first block: nothing to add yet
-            gamma = self.b.const(f"{self.b.scope}/{name}.weight",
-                                 norm.weight.detach().float().numpy().astype(self.dtype))
-            return self.b.op("SimplifiedLayerNormalization", [residual, gamma], name, axis=-1,
-                             epsilon=self.cfg.rms_norm_eps, stash_type=1), (residual, None)
+            return self.simple_norm(residual, norm.weight, name), (residual, None)
         h, residual = self.skip_norm(residual, pending, norm.weight, name)
         return h, (residual, None)
+
+    def out_norm(self, out: ir.Value, norm: nn.Module, name: str) -> ir.Value:
+        """A sandwich norm on a block's output; the next SkipSimplifiedLayerNormalization adds the
+        normalised output to the stream as before."""
+        return self.simple_norm(out, norm.weight, name)
 
     def add(self, stream: tuple[ir.Value, ir.Value | None], out: ir.Value, name: str) -> tuple[ir.Value, ir.Value]:
         return stream[0], out  # deferred: the next norm adds it inside its kernel
@@ -409,24 +495,49 @@ class FusedForm:
         for value, name, shape in self.presents:  # after logits, in layer order (key, value)
             self.b.output(value, name, ir_dtype(self.dtype), shape)
 
-    def lengths_from_mask(self, mask: ir.Value) -> tuple[ir.Value, ir.Value, tuple[ir.Value, ir.Value]]:
+    def _table_name(self, kind: str, j: int) -> str:
+        return f"{kind}_cache" if j == 0 else f"{kind}_cache_{j}"
+
+    def lengths_from_mask(self, mask: ir.Value) -> tuple[ir.Value, ir.Value, list[tuple[ir.Value, ir.Value]]]:
         """GQA reads lengths, not a mask: seqlens_k = valid length - 1, total_sequence_length = T.
-        RoPE runs inside GQA from the [max_seq_len, D/2] tables."""
+        RoPE uses [max_seq_len, R/2] tables, one pair per distinct RoPE of the model."""
         b = self.b
         b.scope = "/attn_mask"
         seqlens = b.op("ReduceSum", [mask, b.scalar_i64(1)], "ReduceSum", keepdims=0)
+        self.valid_len = seqlens  # [B] int64
         seqlens_k = b.op("Cast", [b.op("Sub", [seqlens, b.scalar_i64(1)], "Sub")], "seqlens_k", to=ir.DataType.INT32)
         total = b.op("Gather", [b.op("Shape", [mask], "Shape"), b.const("const_i64_scalar_1", np.array(1, np.int64))],
                      "Gather", axis=0)
         total_len = b.op("Cast", [total], "total_sequence_length", to=ir.DataType.INT32)
-        cos, sin = rope_tables(self.model, self.max_seq_len)
-        return seqlens_k, total_len, (b.const("cos_cache", cos.astype(self.dtype)),
-                                      b.const("sin_cache", sin.astype(self.dtype)))
+        tables = []
+        for j in range(len(self.model.ropes)):
+            cos, sin = rope_tables(self.model, self.max_seq_len, j)
+            tables.append((b.const(self._table_name("cos", j), cos.astype(self.dtype)),
+                           b.const(self._table_name("sin", j), sin.astype(self.dtype))))
+        return seqlens_k, total_len, tables
 
-    def lengths_from_positions(self, positions: ir.Value) -> tuple[ir.Value, ir.Value, tuple[ir.Value, ir.Value]]:
+    def positions_from_mask(self) -> ir.Value:
+        """position_ids [B, S] of this call's tokens (valid length - S + s), for RoPE outside GQA;
+        made once, on first need."""
+        if self.positions is None:
+            b, scope = self.b, self.b.scope
+            b.scope = "/attn_mask"
+            ids = self.io["input_ids"]
+            s = b.op("Gather", [b.op("Shape", [ids], "ShapeIds"), b.const("const_i64_scalar_1", np.array(1, np.int64))],
+                     "SeqLen", axis=0)  # scalar S
+            steps = b.op("Range", [b.const("const_i64_scalar_0", np.array(0, np.int64)), s,
+                                   b.const("const_i64_scalar_1", np.array(1, np.int64))], "Range")  # [S]
+            first = b.op("Sub", [b.op("Unsqueeze", [self.valid_len, b.scalar_i64(1)], "UnsqueezeLen"), s],
+                         "FirstPosition")  # [B, 1]
+            self.positions = b.op("Add", [first, steps], "position_ids")  # [B, S]
+            b.scope = scope
+        return self.positions
+
+    def lengths_from_positions(self, positions: ir.Value
+                               ) -> tuple[ir.Value, ir.Value, list[tuple[ir.Value, ir.Value]]]:
         """The window form: the last position p gives seqlens_k = p and total_sequence_length = p + 1
-        (batch 1); cos/sin [S, D/2] for exactly these positions, computed as the eager model does
-        (float32 angles), so no table bounds the stream."""
+        (batch 1); cos/sin [S, R/2] of each RoPE for exactly these positions, computed as the eager
+        model does (float32 angles, times the attention factor), so no table bounds the stream."""
         b = self.b
         b.scope = "/positions"
         last = b.op("ReduceMax", [positions, b.scalar_i64(1)], "ReduceMax", keepdims=0)  # [1]
@@ -434,15 +545,23 @@ class FusedForm:
         total = b.op("Add", [b.op("Squeeze", [last, b.scalar_i64(0)], "Squeeze"),
                              b.const("const_i64_scalar_1", np.array(1, np.int64))], "Add")
         total_len = b.op("Cast", [total], "total_sequence_length", to=ir.DataType.INT32)
-        inv_freq = self.model.inv_freq.detach().float().cpu().numpy()
         flat = b.op("Reshape", [b.op("Cast", [positions], "Cast", to=ir.DataType.FLOAT), b.scalar_i64(-1, 1)],
                     "Reshape")  # [S, 1]
-        angles = b.op("Mul", [flat, b.const("rope_inv_freq", inv_freq)], "angles")  # [S, D/2]
-        cos, sin = b.op("Cos", [angles], "Cos"), b.op("Sin", [angles], "Sin")
-        if self.dtype != np.float32:
-            cos = b.op("Cast", [cos], "CastCos", to=ir_dtype(self.dtype))
-            sin = b.op("Cast", [sin], "CastSin", to=ir_dtype(self.dtype))
-        return seqlens_k, total_len, (cos, sin)
+        self.positions = b.scalar_i64(0)  # row s of the tables is token s
+        tables = []
+        for j in range(len(self.model.ropes)):
+            inv_freq, factor = rope_inv_freq(self.model, j)
+            sfx = "" if j == 0 else f"_{j}"
+            angles = b.op("Mul", [flat, b.const(f"rope_inv_freq{sfx}", inv_freq)], f"angles{sfx}")  # [S, R/2]
+            cos, sin = b.op("Cos", [angles], f"Cos{sfx}"), b.op("Sin", [angles], f"Sin{sfx}")
+            if factor != 1.0:
+                f = b.const(f"rope_attention_factor{sfx}", np.array(factor, np.float32))
+                cos, sin = b.op("Mul", [cos, f], f"CosFactor{sfx}"), b.op("Mul", [sin, f], f"SinFactor{sfx}")
+            if self.dtype != np.float32:
+                cos = b.op("Cast", [cos], f"CastCos{sfx}", to=ir_dtype(self.dtype))
+                sin = b.op("Cast", [sin], f"CastSin{sfx}", to=ir_dtype(self.dtype))
+            tables.append((cos, sin))
+        return seqlens_k, total_len, tables
 
     def token_embedding(self, ids: ir.Value, emb: EmbeddingSpec) -> ir.Value:
         b = self.b
@@ -464,7 +583,7 @@ class FusedForm:
         return b.op("Reshape", [rows, b.scalar_i64(0, 0, self.cfg.hidden_size)], "Reshape")
 
     def attention(self, h: ir.Value, attn: nn.Module, i: int) -> ir.Value:
-        b, cfg, past, rope = self.b, self.cfg, self.io["past"][i], self.rope
+        b, cfg, past = self.b, self.cfg, self.io["past"][i]
         specs = [self.spec(attn.q_proj, f"layers.{i}.q_proj"), self.spec(attn.k_proj, f"layers.{i}.k_proj"),
                  self.spec(attn.v_proj, f"layers.{i}.v_proj")]
         packed = concat_linears(specs)
@@ -472,34 +591,61 @@ class FusedForm:
             qkv: list[ir.Value | None] = [self.linear(h, packed, "attn/qkv_proj"), None, None]
         else:  # mixed formats (a mixed-precision recipe): three projections feed GQA separately
             qkv = [self.linear(h, s, f"attn/{n}") for s, n in zip(specs, ("q_proj", "k_proj", "v_proj"))]
-        local = -1 if self.window is None else self.window  # keys visible to a query, itself included (measured)
+        rope = attn.rope  # None: a no-RoPE layer
+        tables = self.ropes[self.model.ropes.index(rope)] if rope is not None else None
         streaming = self.max_seq_len is None
-        if streaming:  # RoPE outside GQA: its internal RoPE indexes a bounded table by absolute position
-            qkv = self.rotary(qkv, rope)
+        # GQA's own RoPE indexes a [max_seq_len, R/2] table by absolute position; the window form
+        # (unbounded positions) and table widths its kernel refuses rotate outside it.
+        inside = rope is not None and not streaming and gqa_rotates(rope.dim, cfg.dim_per_head)
+        if attn.q_norm is not None or (rope is not None and not inside):
+            q, k, v = self.split_qkv(qkv)
+            if attn.q_norm is not None:  # per-head RMSNorm on q and k, before RoPE
+                q = self.head_norm(q, attn.q_norm, cfg.num_attention_heads, "attn/q_norm")
+                k = self.head_norm(k, attn.k_norm, cfg.num_key_value_heads, "attn/k_norm")
+            if rope is not None and not inside:
+                q, k = self.rotary(q, k, tables, rope.dim)
+            qkv = [q, k, v]
+        local = self.windows[i] or -1  # keys visible to a query, itself included (measured)
+        scale = cfg.attention_scale if cfg.query_pre_attn_scalar is not None else None
         out, present_k, present_v = b.op(
             "GroupQueryAttention", [*qkv, past[0], past[1], self.seqlens_k, self.total_len,
-                                    *((None, None) if streaming else rope)],
+                                    *(tables if inside else (None, None))],
             "attn/GroupQueryAttention", domain=MS_DOMAIN, num_outputs=3, num_heads=cfg.num_attention_heads,
-            kv_num_heads=cfg.num_key_value_heads, local_window_size=local, do_rotary=int(not streaming),
-            rotary_interleaved=0, sliding_window_cache=1 if streaming else None)
+            kv_num_heads=cfg.num_key_value_heads, local_window_size=local, do_rotary=int(inside),
+            rotary_interleaved=0, scale=scale, sliding_window_cache=1 if streaming else None)
         present_shape = (["batch_size", cfg.num_key_value_heads, "total_sequence_length", cfg.dim_per_head]
                          if not streaming else list(past[0].shape.dims))
         self.presents += [(present_k, f"present.{i}.key", present_shape),
                           (present_v, f"present.{i}.value", present_shape)]
         return self.linear(out, self.spec(attn.o_proj, f"layers.{i}.o_proj"), "attn/o_proj")
 
-    def rotary(self, qkv: list[ir.Value | None], rope: tuple[ir.Value, ir.Value]) -> list[ir.Value]:
-        """RoPE on q and k with cos/sin rows for this step's positions (row s = token s: offset 0)."""
-        b, cfg = self.b, self.cfg
+    def split_qkv(self, qkv: list[ir.Value | None]) -> list[ir.Value]:
+        if qkv[1] is not None:
+            return list(qkv)
+        cfg, b = self.cfg, self.b
         D, H, Hkv = cfg.dim_per_head, cfg.num_attention_heads, cfg.num_key_value_heads
-        q, k, v = qkv if qkv[1] is not None else b.op(
-            "Split", [qkv[0], b.scalar_i64(H * D, Hkv * D, Hkv * D)], "attn/SplitQKV", num_outputs=3, axis=-1)
-        offset = b.scalar_i64(0)
-        q = b.op("RotaryEmbedding", [q, offset, *rope], "attn/q_rotary", domain=MS_DOMAIN, num_heads=H,
-                 rotary_embedding_dim=D, interleaved=0)
-        k = b.op("RotaryEmbedding", [k, offset, *rope], "attn/k_rotary", domain=MS_DOMAIN, num_heads=Hkv,
-                 rotary_embedding_dim=D, interleaved=0)
-        return [q, k, v]
+        return list(b.op("Split", [qkv[0], b.scalar_i64(H * D, Hkv * D, Hkv * D)], "attn/SplitQKV", num_outputs=3,
+                         axis=-1))
+
+    def head_norm(self, x: ir.Value, norm: nn.Module, heads: int, name: str) -> ir.Value:
+        """RMSNorm of each head: [B, S, n * D] -> [B, S, n, D], normalised over D, and back."""
+        b, D = self.b, self.cfg.dim_per_head
+        x = b.op("Reshape", [x, b.scalar_i64(0, 0, heads, D)], f"{name}/Reshape_1")
+        x = self.simple_norm(x, norm.weight, f"{name}/SimplifiedLayerNormalization")
+        return b.op("Reshape", [x, b.scalar_i64(0, 0, heads * D)], f"{name}/Reshape_2")
+
+    def rotary(self, q: ir.Value, k: ir.Value, tables: tuple[ir.Value, ir.Value],
+               rotary_dim: int) -> tuple[ir.Value, ir.Value]:
+        """RoPE on q and k before GQA, on the first `rotary_dim` dims of each head. The window form's
+        tables hold this step's rows (position input: offset 0); the static form's are indexed by
+        positions derived from the mask."""
+        b, cfg = self.b, self.cfg
+        pos = self.positions if self.max_seq_len is None else self.positions_from_mask()
+        q = b.op("RotaryEmbedding", [q, pos, *tables], "attn/q_rotary", domain=MS_DOMAIN,
+                 num_heads=cfg.num_attention_heads, rotary_embedding_dim=rotary_dim, interleaved=0)
+        k = b.op("RotaryEmbedding", [k, pos, *tables], "attn/k_rotary", domain=MS_DOMAIN,
+                 num_heads=cfg.num_key_value_heads, rotary_embedding_dim=rotary_dim, interleaved=0)
+        return q, k
 
     def mlp(self, h: ir.Value, mlp: nn.Module) -> ir.Value:
         b = self.b
@@ -511,6 +657,8 @@ class FusedForm:
                             num_outputs=2, axis=-1)
         else:
             gate, up = self.linear(h, gate_s, "mlp/gate_proj"), self.linear(h, up_s, "mlp/up_proj")
-        act = b.op("Mul", [gate, b.op("Sigmoid", [gate], "mlp/Sigmoid")], "mlp/SiLU")
+        if self.cfg.hidden_act == "gelu_pytorch_tanh":
+            act = b.op("Gelu", [gate], "mlp/Gelu", approximate="tanh")
+        else:
+            act = b.op("Mul", [gate, b.op("Sigmoid", [gate], "mlp/Sigmoid")], "mlp/SiLU")
         return self.linear(b.op("Mul", [act, up], "mlp/Mul"), self.spec(mlp.down_proj, "down_proj"), "mlp/down_proj")
-

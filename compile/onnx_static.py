@@ -20,9 +20,17 @@ end: causality keeps the padding invisible to the real tokens and the host does 
 Grouped-query attention needs no repeat of the keys: the H query heads are reshaped to
 [Hkv, H/Hkv * S] rows and each group multiplies its own key/value head (the bias is tiled to match),
 so every tensor stays 4-D. RoPE uses HF's half-split rotation as `x * cos + swap_halves(x) *
-sin_signed`, the sign of rotate_half folded into the sin table, and the 1/sqrt(D) score scale is
-folded into the query projection. Only ops whose QDQ form the HTP reproduces are used (see
-`rms_norm` for one that it does not).
+sin_signed`, the sign of rotate_half folded into the sin table (one table per distinct RoPE of the
+model, its attention factor folded in; partial rotary rotates the first R dims and passes the rest;
+no-RoPE layers skip it), and the score scale (1/sqrt(D), or `query_pre_attn_scalar`'s) is folded
+into the query projection, or into the q norm's gain when the model normalises q and k per head.
+Gemma's embedding scale, sandwich norms and GELU-tanh (written with Tanh) are plain ops too. Only
+ops whose QDQ form the HTP reproduces are used (see `rms_norm` for one that it does not).
+
+The host keeps one ring and one attention window for every layer: each layer attends within the
+tighter of its own window and the graph's (a global layer of an interleaved model is windowed by
+the ring, as the torch window cache does); a graph whose layers would need different windows is
+refused.
 
 The layer walk is `onnx_export.emit_decoder`'s, shared with the fused graph; `StaticForm` supplies
 the blocks.
@@ -35,7 +43,7 @@ import onnx_ir as ir
 from torch import nn
 
 from edgefinfer.artefact import ArtefactSpec, KVCache, write_spec
-from edgefinfer.compile.onnx_export import emit_decoder, rope_tables
+from edgefinfer.compile.onnx_export import emit_decoder, layer_windows, rope_tables
 from edgefinfer.compile.onnx_graph import GraphBuilder, save_model
 from edgefinfer.compile.quant.modules import QUANT_MODULES
 from edgefinfer.errors import UserError
@@ -75,6 +83,10 @@ def export_static_decode(model: Transformer, path, *, cache_slots: int, chunk: i
     cfg = model.config
     max_seq_len = max_seq_len or cfg.max_position_embeddings
     window = window if window is not None else (cfg.sliding_window or cache_slots + 1)
+    windows = set(layer_windows(cfg, window))
+    if windows != {window}:
+        raise UserError(f"the static (NPU) graph has one attention window for every layer, but this model's layers "
+                        f"attend within {sorted(windows)} positions; export with window <= {min(windows)}")
     b = GraphBuilder()
     emit_decoder(StaticForm(b, model, cache_slots, chunk, max_seq_len, window), model)
     # A ring of W slots that the host owns; max_seq_len bounds the RoPE table, not the stream.
@@ -107,14 +119,17 @@ class StaticForm:
                      for i in range(cfg.num_hidden_layers)]
         self.presents: list[tuple[ir.Value, ir.Value]] = []
 
-        cos, sin = rope_tables(model, max_seq_len)  # [T, D/2]
         b.scope = "/rope"
-        cos_full = b.const("cos_table", np.concatenate([cos, cos], -1))  # [T, D]
-        sin_signed = b.const("sin_signed_table", np.concatenate([-sin, sin], -1))  # rotate_half's sign folded in
-        cos_p = b.op("Gather", [cos_full, pos], "GatherCos", axis=0)  # [1, S, D]
-        sin_p = b.op("Gather", [sin_signed, pos], "GatherSin", axis=0)
-        self.cos_p = b.op("Reshape", [cos_p, b.scalar_i64(1, 1, S, D)], "ReshapeCos")
-        self.sin_p = b.op("Reshape", [sin_p, b.scalar_i64(1, 1, S, D)], "ReshapeSin")
+        self.rope_rows: list[tuple[ir.Value, ir.Value]] = []  # cos, sin_signed [1, 1, S, R] per distinct RoPE
+        for j, rope in enumerate(model.ropes):
+            cos, sin = rope_tables(model, max_seq_len, j)  # [T, R/2], attention factor included
+            R, sfx = rope.dim, "" if j == 0 else f"_{j}"
+            cos_full = b.const(f"cos_table{sfx}", np.concatenate([cos, cos], -1))  # [T, R]
+            sin_signed = b.const(f"sin_signed_table{sfx}", np.concatenate([-sin, sin], -1))  # rotate_half's sign
+            cos_p = b.op("Gather", [cos_full, pos], f"GatherCos{sfx}", axis=0)  # [1, S, R]
+            sin_p = b.op("Gather", [sin_signed, pos], f"GatherSin{sfx}", axis=0)
+            self.rope_rows.append((b.op("Reshape", [cos_p, b.scalar_i64(1, 1, S, R)], f"ReshapeCos{sfx}"),
+                                   b.op("Reshape", [sin_p, b.scalar_i64(1, 1, S, R)], f"ReshapeSin{sfx}")))
 
         # The new tokens see each other causally: append that constant block to the host's slot bias, then
         # repeat the rows once per query head of a group (rows are ordered group-major, see q/Group).
@@ -132,7 +147,7 @@ class StaticForm:
         y = b.op("MatMul", [x, b.const(f"{b.scope}/{name}.weight", w)], f"{name}/MatMul")
         return y if bb is None else b.op("Add", [y, b.const(f"{b.scope}/{name}.bias", bb)], f"{name}/Add")
 
-    def rms_norm(self, x: ir.Value, norm: nn.Module, name: str) -> ir.Value:
+    def rms_norm(self, x: ir.Value, norm: nn.Module, name: str, scale: float = 1.0) -> ir.Value:
         # x / sqrt(mean(x^2) + eps) * w, as LAPACK's nrm2 computes a norm: m = max|x|, u = x / m,
         # l = ||u||_2, n = m * l = ||x||_2; then (u / l) * c * (sqrt(d) * w) with the eps term
         # c = 1 / sqrt(1 + (sqrt(d * eps) / n)^2). Two ranges force this form. A few tokens' residual
@@ -142,26 +157,37 @@ class StaticForm:
         # constant), so it only sees u (norm <= sqrt(d)). SmolLM2 A16W8 now: perplexity 48.2 on the
         # CPU EP, and the emulator's argmax equals the CPU EP's.
         # Div, not Reciprocal then Mul: the HTP's 16-bit Reciprocal was measured 7.0 off on an 8.4 value.
-        b, d = self.b, self.cfg.hidden_size
+        # The norm runs over the last axis: the hidden size, or head_dim for q/k norms; `scale`
+        # multiplies the gain (the score scale folded into the q norm).
+        b, d = self.b, int(norm.weight.shape[0])
         m = b.op("ReduceMax", [b.op("Abs", [x], f"{name}/Abs"), b.scalar_i64(-1)], f"{name}/ReduceMax", keepdims=1)
         u = b.op("Div", [x, m], f"{name}/Scale1")
         l2 = b.op("ReduceL2", [u, b.scalar_i64(-1)], f"{name}/ReduceL2", keepdims=1)
         n = b.op("Mul", [m, l2], f"{name}/Norm")
-        r = b.op("Div", [b.const("rms_eps_sqrt", np.array((d * self.cfg.rms_norm_eps) ** 0.5, np.float32)), n],
+        eps_name = "rms_eps_sqrt" if d == self.cfg.hidden_size else f"rms_eps_sqrt_{d}"
+        r = b.op("Div", [b.const(eps_name, np.array((d * self.cfg.rms_norm_eps) ** 0.5, np.float32)), n],
                  f"{name}/EpsRatio")
         one = b.const("one", np.array(1.0, np.float32))
         c = b.op("Div", [one, b.op("Sqrt", [b.op("Add", [one, b.op("Mul", [r, r], f"{name}/EpsSquare")],
                                                      f"{name}/AddEps")], f"{name}/Sqrt")], f"{name}/EpsScale")
         unit = b.op("Mul", [b.op("Div", [u, l2], f"{name}/Normalize"), c], f"{name}/Correct")
-        gamma = b.const(f"{b.scope}/{name}.weight", norm.weight.detach().float().numpy() * np.float32(d ** 0.5))
+        gamma = b.const(f"{b.scope}/{name}.weight",
+                        norm.weight.detach().float().numpy() * np.float32(d ** 0.5) * np.float32(scale))
         return b.op("Mul", [unit, gamma], f"{name}/Scale")
 
-    def rope(self, x: ir.Value, name: str) -> ir.Value:  # x [1, heads, S, D]
-        b, D = self.b, self.D
-        lo, hi = b.op("Split", [x, b.scalar_i64(D // 2, D // 2)], f"{name}/Split", num_outputs=2, axis=-1)
+    def rope(self, x: ir.Value, rope, name: str) -> ir.Value:  # x [1, heads, S, D]
+        if rope is None:  # a no-RoPE layer
+            return x
+        b, D, R = self.b, self.D, rope.dim
+        cos_p, sin_p = self.rope_rows[self.model.ropes.index(rope)]
+        rest = None
+        if R < D:  # partial rotary: the tail of each head passes through
+            x, rest = b.op("Split", [x, b.scalar_i64(R, D - R)], f"{name}/SplitRotary", num_outputs=2, axis=-1)
+        lo, hi = b.op("Split", [x, b.scalar_i64(R // 2, R // 2)], f"{name}/Split", num_outputs=2, axis=-1)
         swapped = b.op("Concat", [hi, lo], f"{name}/Swap", axis=-1)
-        return b.op("Add", [b.op("Mul", [x, self.cos_p], f"{name}/MulCos"),
-                            b.op("Mul", [swapped, self.sin_p], f"{name}/MulSin")], f"{name}/Add")
+        y = b.op("Add", [b.op("Mul", [x, cos_p], f"{name}/MulCos"),
+                         b.op("Mul", [swapped, sin_p], f"{name}/MulSin")], f"{name}/Add")
+        return y if rest is None else b.op("Concat", [y, rest], f"{name}/ConcatPass", axis=-1)
 
     def heads(self, x: ir.Value, n: int, name: str) -> ir.Value:  # [1, S, n * D] -> [1, n, S, D]
         b = self.b
@@ -173,10 +199,17 @@ class StaticForm:
         b = self.b
         b.scope = "/model"
         table = b.const("embed_tokens.weight", self.model.model.embed_tokens.weight.detach().float().numpy())
-        return b.op("Gather", [table, self.ids], "embed_tokens", axis=0)  # [1, S, d]
+        x = b.op("Gather", [table, self.ids], "embed_tokens", axis=0)  # [1, S, d]
+        if self.cfg.embedding_scale is not None:
+            x = b.op("Mul", [x, b.const("embedding_scale", np.array(self.cfg.embedding_scale, np.float32))],
+                     "embed_tokens/Scale")
+        return x
 
     def norm(self, x: ir.Value, norm: nn.Module, name: str) -> tuple[ir.Value, ir.Value]:
         return self.rms_norm(x, norm, name), x
+
+    def out_norm(self, out: ir.Value, norm: nn.Module, name: str) -> ir.Value:
+        return self.rms_norm(out, norm, name)
 
     def add(self, x: ir.Value, out: ir.Value, name: str) -> ir.Value:
         return self.b.op("Add", [x, out], name)
@@ -186,8 +219,14 @@ class StaticForm:
 
     def attention(self, h: ir.Value, attn: nn.Module, i: int) -> ir.Value:
         b, H, Hkv, D, G, S = self.b, self.H, self.Hkv, self.D, self.G, self.S
-        q = self.rope(self.heads(self.linear(h, attn.q_proj, "q_proj", scale=D ** -0.5), H, "q"), "q_rope")
-        k = self.rope(self.heads(self.linear(h, attn.k_proj, "k_proj"), Hkv, "k"), "k_rope")  # [1, Hkv, S, D]
+        scale = self.cfg.attention_scale
+        if attn.q_norm is None:
+            q = self.heads(self.linear(h, attn.q_proj, "q_proj", scale=scale), H, "q")
+            k = self.heads(self.linear(h, attn.k_proj, "k_proj"), Hkv, "k")
+        else:  # per-head RMSNorm over D before RoPE; the score scale rides on the q norm's gain
+            q = self.rms_norm(self.heads(self.linear(h, attn.q_proj, "q_proj"), H, "q"), attn.q_norm, "q_norm", scale)
+            k = self.rms_norm(self.heads(self.linear(h, attn.k_proj, "k_proj"), Hkv, "k"), attn.k_norm, "k_norm")
+        q, k = self.rope(q, attn.rope, "q_rope"), self.rope(k, attn.rope, "k_rope")  # [1, H|Hkv, S, D]
         v = self.heads(self.linear(h, attn.v_proj, "v_proj"), Hkv, "v")
         self.presents.append((k, v))
         keys = b.op("Concat", [self.past[i][0], k], "keys", axis=2)  # [1, Hkv, W + S, D]
@@ -204,7 +243,17 @@ class StaticForm:
     def mlp(self, h: ir.Value, mlp: nn.Module) -> ir.Value:
         b = self.b
         gate = self.linear(h, mlp.gate_proj, "gate_proj")
-        act = b.op("Mul", [gate, b.op("Sigmoid", [gate], "Sigmoid")], "SiLU")
+        if self.cfg.hidden_act == "gelu_pytorch_tanh":  # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+            cube = b.op("Mul", [b.op("Mul", [gate, gate], "Gelu/Square"), gate], "Gelu/Cube")
+            inner = b.op("Add", [gate, b.op("Mul", [cube, b.const("gelu_c", np.array(0.044715, np.float32))],
+                                           "Gelu/MulC")], "Gelu/Add")
+            t = b.op("Tanh", [b.op("Mul", [inner, b.const("gelu_k", np.array((2 / np.pi) ** 0.5, np.float32))],
+                                   "Gelu/MulK")], "Gelu/Tanh")
+            half = b.op("Mul", [gate, b.const("half", np.array(0.5, np.float32))], "Gelu/Half")
+            act = b.op("Mul", [half, b.op("Add", [t, b.const("one", np.array(1.0, np.float32))], "Gelu/AddOne")],
+                       "Gelu")
+        else:
+            act = b.op("Mul", [gate, b.op("Sigmoid", [gate], "Sigmoid")], "SiLU")
         return self.linear(b.op("Mul", [act, self.linear(h, mlp.up_proj, "up_proj")], "mlp/Mul"), mlp.down_proj,
                            "down_proj")
 
