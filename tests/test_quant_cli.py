@@ -94,3 +94,19 @@ def test_parse_size():
     assert parse_size("85MB") == 85_000_000 and parse_size("1.5 MiB") == 1_572_864 and parse_size("123") == 123
     with pytest.raises(UserError):
         parse_size("-3MB")
+
+
+def test_default_calibration_is_the_one_build_uses(monkeypatch):
+    """16 blocks of 256 tokens of the mixed text, seed 0, as app/build.py's quantize_for."""
+    import edgefinfer.data as data
+    from edgefinfer.app.quantize_command import default_calibration
+
+    defaults = {p.name: p.default for p in quantize.params}
+    assert [defaults[k] for k in ("calib_split", "calib_blocks", "calib_len", "seed")] == ["calib-mix", 16, 256, 0]
+    seen = []
+    monkeypatch.setattr(data, "load_text", lambda split: seen.append(split) or "the a of " * 3000)
+
+    class Words:
+        encode = staticmethod(lambda text: list(range(len(text.split()))))
+
+    assert tuple(default_calibration(Words()).shape) == (16, 256) and seen == ["calib-mix"]

@@ -17,6 +17,11 @@ REPORT_FILE = "quantization_report.json"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(b|kb|mb|gb|kib|mib|gib)?\s*$", re.IGNORECASE)
 _UNITS = {None: 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
+# The calibration `edgefinfer build` quantizes with (app/build.py's quantize_for): 16 blocks of 256 tokens,
+# seed 0, from the mixed text (Austen, plays, the Old Testament, code), so that `quantize` and `build`
+# give the same model for the same recipe.
+CALIB_SPLIT, CALIB_BLOCKS, CALIB_LEN, CALIB_SEED = "calib-mix", 16, 256, 0
+
 
 def parse_size(text: str) -> int:
     m = _SIZE.match(text)
@@ -32,10 +37,13 @@ def parse_size(text: str) -> int:
               help=f"Quantization recipe, e.g. {', '.join(RECIPE_NAMES[:4])}, int4-awq-g64, 8da4w-g32, fp8 "
                    "(see docs/QUANTIZATION.md for the grammar).")
 @click.option("-o", "--output", required=True, type=click.Path(path_type=Path), help="Output folder.")
-@click.option("--calib-blocks", default=32, show_default=True, type=int, help="Calibration blocks (GPTQ/AWQ/mixed).")
-@click.option("--calib-len", default=256, show_default=True, type=click.IntRange(16), help="Tokens per block.")
+@click.option("--calib-blocks", default=CALIB_BLOCKS, show_default=True, type=int,
+              help="Calibration blocks (GPTQ/AWQ/mixed).")
+@click.option("--calib-len", default=CALIB_LEN, show_default=True, type=click.IntRange(16), help="Tokens per block.")
+@click.option("--calib-split", default=CALIB_SPLIT, show_default=True,
+              help="Corpus split to calibrate on (see docs/DATA.md): calib-mix is what `build` uses, calib is Austen only.")
 @click.option("--calib-text", type=click.Path(path_type=Path, dir_okay=False),
-              help="Calibration text file (default: the built-in Austen calib split).")
+              help="Calibration text file (instead of --calib-split).")
 @click.option("--eval-tokens", default=4096, show_default=True, type=click.IntRange(0),
               help="Test tokens for perplexity / KL / top-1 (0 = skip the evaluation).")
 @click.option("--window", default=512, show_default=True, type=click.IntRange(2), help="Evaluation window.")
@@ -50,9 +58,10 @@ def parse_size(text: str) -> int:
               help="Sensitivity granularity: whole decoder layers (fast) or single linears.")
 @click.option("--sensitivity-tokens", default=512, show_default=True, type=click.IntRange(16),
               help="Calibration tokens used to measure sensitivity.")
-@click.option("--seed", default=0, show_default=True, type=int, help="Seed for the calibration sample.")
+@click.option("--seed", default=CALIB_SEED, show_default=True, type=int, help="Seed for the calibration sample.")
 @click.option("--threads", type=int, default=None, help="torch intra-op threads.")
-def quantize(model: str, recipe_name: str, output: Path, calib_blocks: int, calib_len: int, calib_text: Path | None,
+def quantize(model: str, recipe_name: str, output: Path, calib_blocks: int, calib_len: int, calib_split: str,
+             calib_text: Path | None,
              eval_tokens: int, window: int, stride: int, mixed_budget: str | None, mixed_max_ppl: float | None,
              mixed_high: str, mixed_unit: str, sensitivity_tokens: int, seed: int, threads: int | None) -> None:
     """Quantize MODEL with a recipe; write a quantized checkpoint and a JSON report to OUTPUT."""
@@ -85,10 +94,11 @@ def quantize(model: str, recipe_name: str, output: Path, calib_blocks: int, cali
 
     calib = None
     if recipe.method != "rtn" or use_mixed:
-        calib = _calibration_blocks(tok, calib_text, calib_len, calib_blocks, seed, recipe.method)
+        calib = _calibration_blocks(tok, calib_text, calib_len, calib_blocks, seed, recipe.method, calib_split)
 
     extra: dict = {"model": str(folder), "calib_blocks": 0 if calib is None else calib.shape[0],
-                   "calib_len": calib_len, "threads": torch.get_num_threads()}
+                   "calib_len": calib_len, "calib_source": str(calib_text) if calib_text else calib_split,
+                   "threads": torch.get_num_threads()}
     if use_mixed:
         recipe, extra["mixed_precision"] = _mixed(float_model, recipe, calib, mixed_budget, mixed_max_ppl, mixed_high,
                                                   mixed_unit, sensitivity_tokens, calib_len, say)
@@ -121,8 +131,21 @@ def _is_recipe(text: str) -> bool:
     return True
 
 
-def _calibration_blocks(tok, calib_text: Path | None, calib_len: int, calib_blocks: int, seed: int, method: str):
-    from edgefinfer.data import load_text, token_blocks
+def calibration_split(split: str = CALIB_SPLIT) -> str:
+    """`split`, or Austen's `calib` where this version of the corpora has no mixed calibration text."""
+    from edgefinfer.data import SPLITS
+
+    return split if split != "calib-mix" or split in SPLITS else "calib"
+
+
+def default_calibration(tok):
+    """The calibration blocks `build` quantizes with (CALIB_BLOCKS x CALIB_LEN of CALIB_SPLIT, CALIB_SEED)."""
+    return _calibration_blocks(tok, None, CALIB_LEN, CALIB_BLOCKS, CALIB_SEED, "calibration")
+
+
+def _calibration_blocks(tok, calib_text: Path | None, calib_len: int, calib_blocks: int, seed: int, method: str,
+                        split: str = CALIB_SPLIT):
+    from edgefinfer.data import SPLITS, load_text, token_blocks
 
     if calib_blocks < 1:
         raise UserError(f"the calibration set is empty (--calib-blocks {calib_blocks}): {method} needs at least one "
@@ -134,7 +157,10 @@ def _calibration_blocks(tok, calib_text: Path | None, calib_len: int, calib_bloc
         if not text.strip():
             raise UserError(f"the calibration set is empty: {calib_text} holds no text")
     else:
-        text = load_text("calib")
+        split = calibration_split(split)
+        if split not in SPLITS:
+            raise UserError(f"unknown corpus split {split!r} for --calib-split; choose one of {', '.join(SPLITS)}")
+        text = load_text(split)
     ids = tok.encode(text)
     available = len(ids) // calib_len
     if available == 0:
