@@ -262,11 +262,11 @@ def quantize_for(model, target: Target, recipe: str, tokenizer):
     parsed = parse_recipe(recipe)
     calib = None
     if parsed.method != "rtn":
-        from edgefinfer.data import SPLITS, load_text, token_blocks
+        from edgefinfer.app.quantize_command import default_calibration
 
-        # 16 blocks of 256 tokens (a minute of GPTQ on the reference model), across kinds of text.
-        split = "calib-mix" if "calib-mix" in SPLITS else "calib"
-        calib = token_blocks(tokenizer.encode(load_text(split)), 256, 16, seed=0)
+        # 16 blocks of 256 tokens across kinds of text (a minute of GPTQ on the reference model): the
+        # same default as `edgefinfer quantize`, so both commands make the same model of a recipe.
+        calib = default_calibration(tokenizer)
     quantized = copy.deepcopy(model)
     quantize_model(quantized, parsed, calib, progress=lambda m: print(f"  {m}", file=sys.stderr))
     return quantized
