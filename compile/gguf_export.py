@@ -14,9 +14,17 @@ requested type (so a mixed-precision model stays mixed). A quantized layer with 
 re-quantizing it would ship a file whose weights are neither ours nor llama.cpp's best. The
 requested type applies to float matrices.
 
-llama.cpp's `llama` architecture rotates interleaved pairs where HF rotates halves, so q and k rows
-are permuted inside each head (the inverse of `edgefinfer.gguf_import.unpermute_qk`). The file is
-written to a temporary name and renamed into place.
+Each family is written as llama.cpp's own architecture (`config.family.gguf_arch`) with its metadata
+keys and tensor names: qwen3 and gemma3 q/k norms, gemma3's four norms per layer, window, per-layer
+sliding pattern and local RoPE base, phi3's fused q|k|v and gate|up with partial rotary and longrope
+(rope_factors tensors), smollm3. RoPE scaling: linear and YaRN as `rope.scaling.*` keys, llama3 as a
+`rope_freqs` tensor (as convert_hf_to_gguf.py does), longrope for phi3. What llama.cpp hard-codes
+differently (SmolLM3's no-RoPE period, Gemma 3's attention scale and embedding scale, ...) is refused in
+one line (`gguf_expressible`) rather than written as a file that would compute another model.
+
+llama.cpp's `llama` and `smollm3` architectures rotate interleaved pairs where HF rotates halves, so q
+and k rows are permuted inside each head (the inverse of `edgefinfer.gguf_import.unpermute_qk`). The
+file is written to a temporary name and renamed into place.
 """
 
 from __future__ import annotations
@@ -32,9 +40,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from edgefinfer.config import ModelConfig
+from edgefinfer.config import FULL, SLIDING, ModelConfig
 from edgefinfer.errors import UserError
-from edgefinfer.gguf_import import _CONTROL, _LAYER_TENSORS, _PRE_SPLITS, _USER_DEFINED
+from edgefinfer.gguf_import import (_CONTROL, _PRE_SPLITS, _USER_DEFINED, FUSED_TENSORS, GEMMA3_LOCAL_THETA,
+                                    GEMMA3_SWA_PERIOD, PERMUTED_ARCHS, ROPE_SCALING_KEY, SMOLLM3_NO_ROPE_STEP,
+                                    layer_tensor_names, llama3_rope_freqs)
 from edgefinfer.model import Transformer
 from edgefinfer.tokenizer import Tokenizer
 
@@ -44,7 +54,15 @@ GGUF_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 LLAMA_FTYPES = {"q4_1": "LLAMA_FTYPE_MOSTLY_Q4_1", "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "q4_k_s": "LLAMA_FTYPE_MOSTLY_Q4_K_S",
                 "q5_k_m": "LLAMA_FTYPE_MOSTLY_Q5_K_M", "q6_k": "LLAMA_FTYPE_MOSTLY_Q6_K",
                 "q3_k_m": "LLAMA_FTYPE_MOSTLY_Q3_K_M", "q2_k": "LLAMA_FTYPE_MOSTLY_Q2_K"}
-_HF_TO_GGUF_LAYER = {v: k for k, v in _LAYER_TENSORS.items()}
+_HF_TO_GGUF_LAYER = {v: k for k, v in layer_tensor_names(False).items()}
+_HF_TO_GGUF_SANDWICH = {v: k for k, v in layer_tensor_names(True).items()}
+# What the pinned llama.cpp (llama-cpp-python 0.3.36) reads for gemma3 beyond convert_hf_to_gguf.py's
+# keys, measured in tests/test_families_gguf.py: the per-layer sliding pattern
+# (`attention.sliding_window_pattern`, bools) and the local RoPE base (`rope.freq_base_swa`), but not
+# `attention.scale`: it scales scores by 1/sqrt(head_dim) whatever query_pre_attn_scalar was.
+GEMMA3_PATTERN_KEY = True
+GEMMA3_LOCAL_KEYS = True
+GEMMA3_SCALE_KEY = False
 
 
 class State(Enum):
@@ -62,7 +80,8 @@ def permute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     return np.ascontiguousarray(per_head.swapaxes(1, 2)).reshape(w.shape)
 
 
-def gguf_tensor_name(hf_name: str) -> str:
+def gguf_tensor_name(hf_name: str, config: ModelConfig | None = None) -> str:
+    """llama.cpp's name of our parameter `hf_name` (for Phi-3's fused matrices, of the tensor holding it)."""
     if hf_name == "model.embed_tokens.weight":
         return "token_embd.weight"
     if hf_name == "model.norm.weight":
@@ -72,9 +91,94 @@ def gguf_tensor_name(hf_name: str) -> str:
     parts = hf_name.split(".")
     if parts[:2] == ["model", "layers"]:
         rest = ".".join(parts[3:])
-        if rest in _HF_TO_GGUF_LAYER:
-            return f"blk.{parts[2]}.{_HF_TO_GGUF_LAYER[rest]}"
+        if config is not None and config.family.fused_qkv:
+            for fused, members in FUSED_TENSORS.items():
+                if rest in members:
+                    return f"blk.{parts[2]}.{fused}"
+        names = _HF_TO_GGUF_SANDWICH if config is not None and config.sandwich_norms else _HF_TO_GGUF_LAYER
+        if rest in names:
+            return f"blk.{parts[2]}.{names[rest]}"
     raise UserError(f"parameter {hf_name} has no llama.cpp tensor name")
+
+
+def gguf_expressible(config: ModelConfig) -> None:
+    """A one-line UserError if llama.cpp's architecture for `config` would compute something else.
+
+    llama.cpp hard-codes some of what our config holds as features: per architecture, which norms,
+    activation and RoPE layout exist, SmolLM3's no-RoPE period, Gemma 3's embedding scale, and the
+    RoPE scalings it implements (linear and YaRN by metadata, llama3 by a rope_freqs tensor, longrope
+    by Phi-3's rope_factors tensors)."""
+    arch = config.family.gguf_arch
+    what = f"llama.cpp's {arch} architecture"
+    act = "gelu_pytorch_tanh" if arch == "gemma3" else "silu"
+    if config.hidden_act != act:
+        raise UserError(f"{what} uses the {act} MLP activation, this model {config.hidden_act}")
+    if config.qk_norm != (arch in ("qwen3", "gemma3")):
+        raise UserError(f"{what} {'has' if arch in ('qwen3', 'gemma3') else 'has no'} q/k norms, "
+                        f"this model {'has' if config.qk_norm else 'has none'}")
+    gemma = config.sandwich_norms and config.norm_offset == 1.0 and config.embedding_scale is not None
+    if (arch == "gemma3") != gemma or arch != "gemma3" and (config.sandwich_norms or config.norm_offset
+                                                             or config.embedding_scale is not None):
+        raise UserError(f"{what} {'needs' if arch == 'gemma3' else 'has no'} Gemma's sandwich norms, (1 + w) "
+                        f"gains and embedding scale")
+    if gemma and abs(config.embedding_scale - config.hidden_size ** 0.5) > 1e-6 * config.embedding_scale:
+        raise UserError(f"{what} scales embeddings by sqrt(hidden_size) only, this model by {config.embedding_scale}")
+    if config.qkv_bias and arch not in ("llama", "qwen2") or arch == "qwen2" and not config.qkv_bias:
+        raise UserError(f"{what} {'needs' if arch == 'qwen2' else 'has no'} q/k/v biases")
+    if (config.o_bias or config.mlp_bias) and arch != "llama":
+        raise UserError(f"{what} has no output-projection or MLP biases")
+    if config.partial_rotary_factor != 1.0 and arch != "phi3":
+        raise UserError(f"{what}: edgefinfer exports partial rotary (partial_rotary_factor "
+                        f"{config.partial_rotary_factor}) for phi3 only")
+    if arch == "smollm3":
+        expected = tuple(i for i in range(config.num_hidden_layers) if (i + 1) % SMOLLM3_NO_ROPE_STEP == 0)
+        if config.no_rope_layers != expected:
+            raise UserError(f"{what} skips RoPE on every {SMOLLM3_NO_ROPE_STEP}th layer {list(expected)}, "
+                            f"this model on {list(config.no_rope_layers)}")
+    elif config.no_rope_layers:
+        raise UserError(f"{what} applies RoPE on every layer; no-RoPE layers need smollm3")
+    if config.rope_local_theta is not None and arch != "gemma3":
+        raise UserError(f"{what} has one RoPE base; a local RoPE base needs gemma3")
+    if arch == "gemma3":
+        if config.window_of(0) is None and config.sliding_window is None:
+            raise UserError(f"{what}: edgefinfer exports Gemma 3 with its sliding-window layers only")
+        local = config.rope_local_theta if config.rope_local_theta is not None else config.rope_theta
+        if config.sliding_window is not None and abs(local - GEMMA3_LOCAL_THETA) > 1e-3 and not GEMMA3_LOCAL_KEYS:
+            raise UserError(f"{what} uses RoPE base {GEMMA3_LOCAL_THETA:g} on sliding layers, this model {local:g}")
+        if not GEMMA3_PATTERN_KEY and [config.layer_type(i) for i in range(config.num_hidden_layers)] != \
+                [SLIDING if i % GEMMA3_SWA_PERIOD < GEMMA3_SWA_PERIOD - 1 else FULL
+                 for i in range(config.num_hidden_layers)]:
+            raise UserError(f"{what} slides 5 layers of every 6; this model's layer_types differ")
+        if not GEMMA3_SCALE_KEY and abs(config.attention_scale - _gemma3_scale(config)) > 1e-6:
+            raise UserError(f"{what} scales attention by 1/sqrt(head_dim) (1/sqrt(hidden/heads) for 62 layers), "
+                            f"this model by query_pre_attn_scalar {config.query_pre_attn_scalar}")
+    kind = (config.rope_scaling or {}).get("rope_type", (config.rope_scaling or {}).get("type", "default")) \
+        if config.rope_scaling else "default"
+    if kind == "llama3" and arch not in ("llama",):
+        raise UserError(f"{what} takes no rope_freqs tensor; llama3 RoPE scaling exports for llama models")
+    if kind == "longrope" and arch != "phi3":
+        raise UserError(f"{what} has no longrope scaling; it exports for phi3 models")
+    if kind == "yarn":
+        p = config.rope_scaling or {}
+        bad = [k for k in ("attention_factor", "mscale", "mscale_all_dim") if p.get(k) not in (None, 1.0)]
+        if bad or p.get("truncate", True) is False:
+            raise UserError(f"YaRN with {', '.join(bad) or 'truncate=False'} has no llama.cpp metadata; "
+                            f"GGUF export writes YaRN's factor, original context and beta_fast / beta_slow")
+    if kind == "longrope":
+        p = config.rope_scaling or {}
+        old = p.get("original_max_position_embeddings", config.max_position_embeddings)
+        if len(p.get("short_factor") or ()) != config.rotary_dim // 2 or \
+                len(p.get("long_factor") or ()) != config.rotary_dim // 2:
+            raise UserError(f"longrope needs short_factor and long_factor of {config.rotary_dim // 2} values each")
+        if p.get("factor") not in (None, config.max_position_embeddings / old):
+            raise UserError("llama.cpp derives longrope's factor from the context lengths; this model gives another")
+
+
+def _gemma3_scale(config: ModelConfig) -> float:
+    """The attention scale llama.cpp's gemma3 uses (gemma_pytorch: the 27B model scales by hidden / heads)."""
+    if config.num_hidden_layers == 62:
+        return (config.hidden_size // config.num_attention_heads) ** -0.5
+    return config.dim_per_head ** -0.5
 
 
 def pre_tokenizer_name(tokenizer: Tokenizer) -> str:
@@ -101,7 +205,8 @@ def pre_tokenizer_name(tokenizer: Tokenizer) -> str:
 
 
 class GGUFExporter:
-    def __init__(self, path: str | Path, arch: str = "llama"):
+    def __init__(self, path: str | Path, arch: str | None = None):
+        """`arch`: llama.cpp's architecture; None takes the one of the config given to add_config."""
         try:
             import gguf
         except ImportError:
@@ -110,11 +215,15 @@ class GGUFExporter:
         self.path = Path(path)
         self.state = State.NEW
         self.tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
-        self.writer = gguf.GGUFWriter(str(self.tmp), arch)
+        self.writer = None
         self.arch = arch
         self.config: ModelConfig | None = None
         self.notes: list[str] = []
         self.tensor_types: dict[str, str] = {}
+
+    def _open(self, arch: str) -> None:
+        self.arch = arch
+        self.writer = self._gguf.GGUFWriter(str(self.tmp), arch)
 
     def _expect(self, state: State, action: str) -> None:
         if self.state is not state:
@@ -122,10 +231,11 @@ class GGUFExporter:
 
     def add_config(self, config: ModelConfig) -> "GGUFExporter":
         self._expect(State.NEW, "add_config")
-        if config.model_type not in ("llama", "qwen2", "mistral"):
-            raise UserError(f"GGUF export supports llama, qwen2 and mistral models, not {config.model_type}")
-        if config.rope_scaling:
-            raise UserError("GGUF export of scaled RoPE (llama3 rope_scaling) is not implemented")
+        arch = config.family.gguf_arch
+        if self.arch is not None and self.arch != arch:
+            raise UserError(f"a {config.model_type} model is llama.cpp's {arch} architecture, not {self.arch}")
+        gguf_expressible(config)
+        self._open(arch)
         w = self.writer
         w.add_name("edgefinfer export")
         w.add_context_length(config.max_position_embeddings)
@@ -136,15 +246,60 @@ class GGUFExporter:
         w.add_head_count_kv(config.num_key_value_heads)
         w.add_key_length(config.dim_per_head)
         w.add_value_length(config.dim_per_head)
-        w.add_rope_dimension_count(config.dim_per_head)
+        w.add_rope_dimension_count(config.rotary_dim)
         w.add_rope_freq_base(config.rope_theta)
         w.add_layer_norm_rms_eps(config.rms_norm_eps)
         w.add_vocab_size(config.vocab_size)
         if config.sliding_window is not None:
+            # llama.cpp applies it for gemma3 only; for the others the runtimes refuse contexts past it.
             w.add_sliding_window(config.sliding_window)
+            types = [config.layer_type(i) for i in range(config.num_hidden_layers)]
+            if len(set(types)) > 1 or arch == "gemma3":
+                w.add_sliding_window_pattern([t == SLIDING for t in types])
+        if arch == "gemma3":
+            local = config.rope_local_theta if config.rope_local_theta is not None else config.rope_theta
+            if GEMMA3_LOCAL_KEYS:
+                w.add_rope_freq_base_swa(local)
+        self._add_rope_scaling(config)
         self.config = config
         self.state = State.CONFIG
         return self
+
+    def _add_rope_scaling(self, config: ModelConfig) -> None:
+        """llama.cpp's rope.scaling.* keys (linear, yarn); llama3 and longrope go in as tensors (add_weights)."""
+        p = dict(config.rope_scaling or {})
+        kind = p.get("rope_type", p.get("type", "default"))
+        w, gguf = self.writer, self._gguf
+        if kind == "linear":
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(p["factor"])
+        elif kind == "yarn":
+            w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            w.add_rope_scaling_factor(p["factor"])
+            w.add_rope_scaling_orig_ctx_len(int(p.get("original_max_position_embeddings")
+                                                or config.max_position_embeddings))
+            if p.get("beta_fast") is not None:
+                w.add_rope_scaling_yarn_beta_fast(p["beta_fast"])
+            if p.get("beta_slow") is not None:
+                w.add_rope_scaling_yarn_beta_slow(p["beta_slow"])
+        elif kind == "llama3":  # the rope_freqs tensor; its parameters for our import (llama.cpp ignores them)
+            w.add_string(ROPE_SCALING_KEY, json.dumps(p, sort_keys=True))
+        elif kind == "longrope":  # Phi-3: rope_factors_short/long tensors and the attention factor
+            old = int(p.get("original_max_position_embeddings") or config.max_position_embeddings)
+            w.add_rope_scaling_orig_ctx_len(old)
+            w.add_rope_scaling_attn_factors(config.rope_of(0).inv_freq_and_factor(config.max_position_embeddings)[1])
+
+    def _rope_tensors(self, config: ModelConfig) -> list[tuple[str, np.ndarray]]:
+        """llama3 scaling as convert_hf_to_gguf.py writes it: rope_freqs, the divisor of each frequency;
+        longrope as Phi-3's rope_factors_long / rope_factors_short."""
+        p = dict(config.rope_scaling or {})
+        kind = p.get("rope_type", p.get("type", "default"))
+        if kind == "llama3":
+            return [("rope_freqs.weight", llama3_rope_freqs(config.rope_theta, config.rotary_dim, p))]
+        if kind == "longrope":
+            return [("rope_factors_long.weight", np.asarray(p["long_factor"], dtype=np.float32)),
+                    ("rope_factors_short.weight", np.asarray(p["short_factor"], dtype=np.float32))]
+        return []
 
     def add_tokenizer(self, tokenizer: Tokenizer) -> "GGUFExporter":
         self._expect(State.CONFIG, "add_tokenizer")
@@ -177,18 +332,35 @@ class GGUFExporter:
         return self
 
     def add_weights(self, model: Transformer, dtype: str = "f16") -> "GGUFExporter":
-        """Every parameter under llama.cpp's names; 2-D matrices in `dtype`, norms and biases in F32."""
+        """Every parameter under llama.cpp's names; 2-D matrices in `dtype`, norms and biases in F32.
+        Phi-3's q|k|v and gate|up go into one tensor each, rows stacked in that order."""
         self._expect(State.TOKENIZER, "add_weights")
         if dtype not in GGUF_TYPES:
             raise UserError(f"unknown GGUF tensor type {dtype!r}: gguf-py writes {', '.join(GGUF_TYPES)}; "
                             f"K-quants come from export_gguf(..., dtype='q4_k_m' etc.)")
         config = self.config
         assert config is not None
+        for gname, data in self._rope_tensors(config):
+            self.writer.add_tensor(gname, data)
+            self.tensor_types[gname] = "F32"
+        groups: dict[str, list[tuple[str, nn.Module | None, torch.Tensor | None]]] = {}
         for name, module, tensor in _named_tensors(model):
-            gname = gguf_tensor_name(name)
+            gname = gguf_tensor_name(name, config)
             if config.tie_word_embeddings and gname == "output.weight":
                 continue
-            data, qtype = self._encode(name, module, tensor, dtype)
+            groups.setdefault(gname, []).append((name, module, tensor))
+        for gname, parts in groups.items():
+            if len(parts) > 1:  # a fused tensor: its parts in llama.cpp's order
+                order = FUSED_TENSORS[gname.split(".", 2)[2]]
+                parts.sort(key=lambda part: order.index(part[0].split(".", 3)[3]))
+            encoded = [self._encode(*part, dtype) for part in parts]
+            qtypes = {q for _, q in encoded}
+            if len(qtypes) > 1:
+                raise UserError(f"{gname} fuses {', '.join(p[0] for p in parts)}, which are stored as "
+                                f"{', '.join(sorted(q.name for q in qtypes))}; llama.cpp needs one type per tensor: "
+                                f"quantize them alike")
+            data = encoded[0][0] if len(encoded) == 1 else np.concatenate([d for d, _ in encoded], axis=0)
+            qtype = encoded[0][1]
             self.writer.add_tensor(gname, data, raw_dtype=qtype)
             self.tensor_types[gname] = qtype.name
         self.state = State.WEIGHTS
@@ -200,7 +372,7 @@ class GGUFExporter:
         assert config is not None
         heads = (config.num_attention_heads if ".q_proj." in name else
                  config.num_key_value_heads if ".k_proj." in name else None)
-        permute = heads is not None and config.model_type != "qwen2"
+        permute = heads is not None and config.family.gguf_arch in PERMUTED_ARCHS
         want = {"f32": gguf.GGMLQuantizationType.F32, "f16": gguf.GGMLQuantizationType.F16,
                 "bf16": gguf.GGMLQuantizationType.BF16, "q8_0": gguf.GGMLQuantizationType.Q8_0,
                 "q4_0": gguf.GGMLQuantizationType.Q4_0}[dtype]
@@ -298,8 +470,7 @@ def export_gguf(model: Transformer, tokenizer: Tokenizer, path: str | Path, dtyp
     path = Path(path)
     if dtype in LLAMA_FTYPES:
         return _export_k_quant(model, tokenizer, path, dtype)
-    # llama.cpp's qwen2 architecture uses the half-split (NEOX) rotation and q/k/v biases.
-    exporter = GGUFExporter(path, arch="qwen2" if model.config.model_type == "qwen2" else "llama")
+    exporter = GGUFExporter(path, arch=model.config.family.gguf_arch)
     exporter.add_config(model.config).add_tokenizer(tokenizer).add_weights(model, dtype).write()
     for note in exporter.notes:
         print(f"  gguf: {note}", file=sys.stderr)
@@ -307,7 +478,8 @@ def export_gguf(model: Transformer, tokenizer: Tokenizer, path: str | Path, dtyp
     for qtype in exporter.tensor_types.values():
         counts[qtype] = counts.get(qtype, 0) + 1
     # The type of the decoder's matrices (what a user calls the file's type), and every type present.
-    main = exporter.tensor_types.get("blk.0.attn_q.weight", dtype.upper())
+    types = exporter.tensor_types
+    main = types.get("blk.0.attn_q.weight") or types.get("blk.0.attn_qkv.weight", dtype.upper())
     return {"gguf_type": main.lower(), "tensor_types": dict(sorted(counts.items())), "notes": exporter.notes}
 
 

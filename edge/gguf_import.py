@@ -8,10 +8,16 @@ metadata, and the weights under llama.cpp's tensor names, usually quantized. Thr
   IQ* and TQ* types and MXFP4. tests/test_gguf_import.py compares our logits with llama.cpp's for
   F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K files; the others only
   share the code path.
-* llama.cpp's `llama` architecture rotates interleaved pairs (2i, 2i+1), HF's rotates halves
+* llama.cpp's architectures map onto our families (`ARCHITECTURES`): llama (Llama, and Mistral when the
+  file declares a window), qwen2, qwen3, gemma3, phi3, smollm3. Each one's hard-coded features become
+  config features here: Gemma 3's sandwich norms, (1 + w) gains (stored added, so 1:1), embedding
+  scale, GeGLU, 5:1 sliding pattern (or the file's per-layer `sliding_window_pattern`) and local RoPE
+  base; SmolLM3's no-RoPE layer every 4th; Phi-3's fused `attn_qkv` and `ffn_up` (gate | up), split
+  here, and its longrope factors (`rope_factors_short/long`); Llama 3.1's `rope_freqs`; linear and YaRN
+  `rope.scaling.*` keys. An architecture outside the list is refused in one line.
+* llama.cpp's `llama` and `smollm3` rotate interleaved pairs (2i, 2i+1), HF's rotates halves
   (i, i + D/2). The HF -> GGUF converter therefore permutes the rows of q and k inside each head;
-  `unpermute_qk` undoes it. llama.cpp runs `qwen2` with the half-split (NEOX) rotation, so its
-  weights are stored as in HF and left alone.
+  `unpermute_qk` undoes it. The others run the half-split (NEOX) rotation, stored as in HF.
 * The tokenizer is rebuilt as a byte-level BPE whose pre-tokenizer applies the same cascade of
   regular expressions that llama.cpp applies for the file's `tokenizer.ggml.pre`, so both produce the
   same ids.
@@ -21,6 +27,8 @@ metadata, and the weights under llama.cpp's tensor names, usually quantized. Thr
 
 from __future__ import annotations
 
+import json
+import math
 import re
 import tempfile
 from dataclasses import dataclass
@@ -34,11 +42,11 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, proc
 from tokenizers import Tokenizer as HFTokenizer
 
 from edgefinfer.checkpoint import save_model
-from edgefinfer.config import ModelConfig
+from edgefinfer.config import FULL, SLIDING, ModelConfig
 from edgefinfer.errors import UserError
 from edgefinfer.model import Transformer
 from edgefinfer.model_files import check_gguf
-from edgefinfer.tokenizer import Tokenizer
+from edgefinfer.tokenizer import Tokenizer, bos_eos_processor
 
 try:
     import gguf
@@ -48,7 +56,16 @@ except ImportError:  # an optional dependency: edgefinfer[data]
 # Bump when the conversion's output changes, so caches keyed on it (edgefinfer.reference) re-convert.
 CONVERTER_VERSION = 2
 
-ARCHITECTURES = ("llama", "qwen2")
+# llama.cpp's architectures we read, and the family each is (llama also covers Mistral).
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "phi3", "smollm3")
+# Architectures llama.cpp runs with its "normal" RoPE (interleaved pairs): their q/k rows are permuted
+# by convert_hf_to_gguf.py (LlamaModel.permute). The others use the half-split (NEOX) rotation, as HF.
+PERMUTED_ARCHS = ("llama", "smollm3")
+# llama.cpp hard-codes these: SmolLM3 skips RoPE on every 4th layer, Gemma 3 slides 5 layers of 6 with
+# a local RoPE base of 10000 unless the file says otherwise.
+SMOLLM3_NO_ROPE_STEP = 4
+GEMMA3_SWA_PERIOD = 6
+GEMMA3_LOCAL_THETA = 10000.0
 
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -72,8 +89,32 @@ _LAYER_TENSORS = {
     "ffn_up.bias": "mlp.up_proj.bias",
     "ffn_down.weight": "mlp.down_proj.weight",
     "ffn_down.bias": "mlp.down_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
+# Gemma's sandwich norms (gguf-py's names): HF's post_attention_layernorm is the attention output's
+# norm there, and the MLP's input norm is pre_feedforward_layernorm (llama.cpp's ffn_norm).
+_SANDWICH_TENSORS = {
+    **_LAYER_TENSORS,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+# Phi-3's fused matrices: llama.cpp's name -> our parts, stacked along the rows in this order.
+FUSED_TENSORS = {
+    "attn_qkv.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "ffn_up.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),  # gate | up, as ggml's swiglu splits it
+}
+# Tensors that hold RoPE parameters, not weights (read into the config).
+# Metadata edgefinfer's export adds (llama.cpp ignores it): the HF rope_scaling behind a rope_freqs tensor.
+ROPE_SCALING_KEY = "edgefinfer.rope_scaling"
+_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+def layer_tensor_names(sandwich_norms: bool = False) -> dict[str, str]:
+    """llama.cpp's per-layer tensor name -> ours (the part after `blk.N.` / `model.layers.N.`)."""
+    return _SANDWICH_TENSORS if sandwich_norms else _LAYER_TENSORS
 
 # llama.cpp token types (tokenizer.ggml.token_type).
 _UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4
@@ -145,6 +186,10 @@ def open_gguf(path: str | Path) -> GGUFFile:
 
 
 # ---- config ----------------------------------------------------------------------------------------
+_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text", "phi3": "phi3",
+                "smollm3": "smollm3"}
+
+
 def config_from_gguf(g: GGUFFile) -> ModelConfig:
     arch = g.require("general.architecture")
     if arch not in ARCHITECTURES:
@@ -160,39 +205,185 @@ def config_from_gguf(g: GGUFFile) -> ModelConfig:
 
     if hp("expert_count", 0):
         raise UserError(f"{g.path} is a mixture-of-experts model, which edgefinfer does not support")
-    if "rope_freqs.weight" in tensors or hp("rope.scaling.type", "none") not in ("none", ""):
-        raise UserError(f"{g.path} uses scaled RoPE (rope_freqs / rope.scaling), which GGUF import does not "
-                        f"support; convert the original Hugging Face checkpoint instead")
     hidden, n_heads = int(hp("embedding_length")), int(hp("attention.head_count"))
+    n_layers = int(hp("block_count"))
     head_dim = int(hp("attention.key_length", hidden // n_heads))
     if int(hp("attention.value_length", head_dim)) != head_dim:
         raise UserError(f"{g.path}: key and value head sizes differ, which edgefinfer does not support")
-    if int(hp("rope.dimension_count", head_dim)) != head_dim:
-        raise UserError(f"{g.path}: RoPE covers {hp('rope.dimension_count')} of {head_dim} head dimensions; "
-                        f"edgefinfer rotates whole heads")
+    rotary = int(hp("rope.dimension_count", head_dim))
+    if rotary != head_dim and (arch in PERMUTED_ARCHS or not 0 < rotary < head_dim or rotary % 2):
+        raise UserError(f"{g.path}: RoPE covers {rotary} of {head_dim} head dimensions, which edgefinfer does "
+                        f"not support for {arch} (partial rotary: phi3, qwen2, qwen3, gemma3)")
     if "token_embd.weight" not in tensors:
         raise UserError(f"{g.path} has no token_embd.weight tensor; it is not a complete {arch} model")
     vocab_size = int(tensors["token_embd.weight"].shape[1])  # GGUF lists dimensions fastest first
+    max_pos = int(hp("context_length", 2048))
+    theta = _f32(hp("rope.freq_base", 10000.0))
+    features: dict[str, Any] = {}
+
+    # Sliding windows: the window, and which layers slide (a per-layer pattern, a period, or all).
+    window = int(hp("attention.sliding_window", 0)) or None
+    pattern = g.value(f"{arch}.attention.sliding_window_pattern")
+    if arch == "gemma3" and window is not None and pattern is None:
+        pattern = GEMMA3_SWA_PERIOD
+    if window is not None:
+        if isinstance(pattern, list):
+            slides = [bool(p) for p in pattern]
+            if len(slides) != n_layers:
+                raise UserError(f"{g.path}: {arch}.attention.sliding_window_pattern lists {len(slides)} layers, "
+                                f"the model has {n_layers}")
+        elif pattern:  # a period: its last layer attends globally (llama_hparams::set_swa_pattern)
+            slides = [i % int(pattern) < int(pattern) - 1 for i in range(n_layers)]
+        else:
+            slides = [True] * n_layers
+        types = tuple(SLIDING if s else FULL for s in slides)
+        if SLIDING not in types:
+            window = None
+        features.update(sliding_window=window, layer_types=None if set(types) <= {SLIDING} else types)
+    model_type = _MODEL_TYPES[arch]
+    if arch == "llama" and window is not None and features.get("layer_types") is None:
+        model_type = "mistral"  # llama.cpp ignores it; the model is Mistral's, whose window we apply
+
+    features["rope_scaling"] = _rope_scaling_from_gguf(g, arch, hp, theta, rotary, max_pos)
+    if arch in ("qwen3", "gemma3"):
+        features["qk_norm"] = True
+    if arch == "gemma3":
+        scale = g.value(f"{arch}.attention.scale")
+        if scale:
+            scalar = 1.0 / float(scale) ** 2
+            scalar = round(scalar) if abs(scalar - round(scalar)) < 1e-3 * scalar else _f32(scalar)
+        else:  # llama.cpp's rule (gemma_pytorch's config): 27B scales by hidden / heads, the others by head_dim
+            scalar = hidden // n_heads if n_layers == 62 else head_dim
+        features.update(norm_offset=1.0, sandwich_norms=True, embedding_scale=hidden ** 0.5,
+                        hidden_act="gelu_pytorch_tanh", query_pre_attn_scalar=scalar,
+                        rope_local_theta=_f32(hp("rope.freq_base_swa", GEMMA3_LOCAL_THETA)))
+        if window is None:
+            features["rope_local_theta"] = None
+    if arch == "smollm3":
+        features["no_rope_layers"] = tuple(i for i in range(n_layers) if (i + 1) % SMOLLM3_NO_ROPE_STEP == 0)
     return ModelConfig(
         vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=int(hp("feed_forward_length")),
-        num_hidden_layers=int(hp("block_count")),
+        num_hidden_layers=n_layers,
         num_attention_heads=n_heads,
         num_key_value_heads=int(hp("attention.head_count_kv", n_heads)),
-        head_dim=head_dim if head_dim * n_heads != hidden else None,
-        model_type=arch,
+        head_dim=head_dim if head_dim * n_heads != hidden or arch == "gemma3" or arch == "qwen3" else None,
+        model_type=model_type,
         rms_norm_eps=_f32(hp("attention.layer_norm_rms_epsilon")),
-        rope_theta=_f32(hp("rope.freq_base", 10000.0)),
-        max_position_embeddings=int(hp("context_length", 2048)),
+        rope_theta=theta,
+        partial_rotary_factor=rotary / head_dim,
+        max_position_embeddings=max_pos,
         tie_word_embeddings="output.weight" not in tensors,
-        qkv_bias="blk.0.attn_q.bias" in tensors,
+        qkv_bias="blk.0.attn_q.bias" in tensors or "blk.0.attn_qkv.bias" in tensors,
         o_bias="blk.0.attn_output.bias" in tensors,
-        mlp_bias="blk.0.ffn_gate.bias" in tensors,
+        mlp_bias="blk.0.ffn_gate.bias" in tensors or "blk.0.ffn_down.bias" in tensors,
         bos_token_id=g.value("tokenizer.ggml.bos_token_id"),
         eos_token_id=_eos_ids(g),
         pad_token_id=g.value("tokenizer.ggml.padding_token_id"),
+        **features,
     )
+
+
+def _rope_scaling_from_gguf(g: GGUFFile, arch: str, hp, theta: float, rotary: int,
+                            max_pos: int) -> dict[str, Any] | None:
+    """HF rope_scaling from llama.cpp's keys (linear, yarn), its rope_freqs tensor (Llama 3.1's llama3
+    scaling, as frequency divisors) or Phi-3's rope_factors_short/long tensors (longrope)."""
+    tensors = g.tensors
+    kind = hp("rope.scaling.type", "none") or "none"
+    original = int(hp("rope.scaling.original_context_length", 0)) or None
+    if "rope_factors_short.weight" in tensors or "rope_factors_long.weight" in tensors:
+        if arch != "phi3" or not {"rope_factors_short.weight", "rope_factors_long.weight"} <= set(tensors):
+            raise UserError(f"{g.path}: rope_factors tensors are Phi-3's longrope; {arch} files do not have them")
+        short = [_f32(x) for x in dequantize(tensors["rope_factors_short.weight"]).reshape(-1)]
+        long = [_f32(x) for x in dequantize(tensors["rope_factors_long.weight"]).reshape(-1)]
+        if len(short) != rotary // 2 or len(long) != rotary // 2:
+            raise UserError(f"{g.path}: rope_factors hold {len(short)} factors, RoPE has {rotary // 2} frequencies")
+        old = original or max_pos
+        scaling: dict[str, Any] = {"rope_type": "longrope", "short_factor": short, "long_factor": long,
+                                   "original_max_position_embeddings": old}
+        factor = max_pos / old
+        default = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(old))
+        attention = float(hp("rope.scaling.attn_factor", default))
+        if abs(attention - default) > 1e-6:
+            scaling["attention_factor"] = _f32(attention)
+        return scaling
+    if "rope_freqs.weight" in tensors:
+        if kind not in ("none", ""):
+            raise UserError(f"{g.path} has both rope_freqs and rope.scaling.type {kind}; edgefinfer reads one")
+        return _llama3_from_factors(g, dequantize(tensors["rope_freqs.weight"]).reshape(-1), theta, rotary)
+    if kind in ("none", ""):
+        return None
+    factor = float(hp("rope.scaling.factor", 0.0))
+    if not factor and float(g.value(f"{arch}.rope.scale_linear", 0.0) or 0.0):
+        factor = float(g.value(f"{arch}.rope.scale_linear"))
+    if kind == "linear" and factor:
+        return {"rope_type": "linear", "factor": _f32(factor)}
+    if kind == "yarn" and factor:
+        scaling = {"rope_type": "yarn", "factor": _f32(factor)}
+        if original:
+            scaling["original_max_position_embeddings"] = original
+        for key, ours in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+            value = g.value(f"{arch}.rope.scaling.{key}")
+            if value is not None:
+                scaling[ours] = _f32(value)
+        for key, neutral in (("yarn_ext_factor", (1.0, -1.0)), ("yarn_attn_factor", (1.0,)),
+                             ("yarn_log_multiplier", (0.0,)), ("attn_factor", (1.0,))):
+            value = g.value(f"{arch}.rope.scaling.{key}")
+            if value is not None and float(value) not in neutral:
+                raise UserError(f"{g.path}: YaRN with rope.scaling.{key} = {value} is not supported; edgefinfer "
+                                f"reads the factor, original context and beta_fast / beta_slow")
+        return scaling
+    raise UserError(f"{g.path}: RoPE scaling {kind!r} is not supported; edgefinfer reads linear and yarn "
+                    f"scaling, rope_freqs (llama3) and Phi-3's rope_factors (longrope)")
+
+
+def llama3_rope_freqs(theta: float, rotary: int, scaling: dict[str, Any]) -> np.ndarray:
+    """The rope_freqs tensor of llama3 `scaling`: each frequency's divisor (convert_hf_to_gguf.py's)."""
+    from edgefinfer.config import Rope
+
+    rope = Rope(float(theta), rotary, tuple(sorted((k, v) for k, v in scaling.items())))
+    base = Rope(float(theta), rotary).inv_freq_and_factor(0)[0].double()
+    return (base / rope.inv_freq_and_factor(0)[0].double()).float().numpy()
+
+
+def _llama3_from_factors(g: GGUFFile, factors: np.ndarray, theta: float, rotary: int) -> dict[str, Any]:
+    """Llama 3.1's rope_scaling from the per-frequency divisors convert_hf_to_gguf.py writes as rope_freqs:
+    1 for short wavelengths, `factor` for long ones, 1 / ((1 - s) / factor + s) between, with
+    s = (old / wavelength - low) / (high - low). Only old / (high - low) and low / (high - low) are
+    determined; low_freq_factor is taken as 1 (as every Llama 3.x has it)."""
+    f = factors.astype(np.float64)
+    if len(f) != rotary // 2:
+        raise UserError(f"{g.path}: rope_freqs holds {len(f)} factors, RoPE has {rotary // 2} frequencies")
+    ours = g.value(ROPE_SCALING_KEY)  # edgefinfer's export records the parameters; used if they give these factors
+    if ours:
+        scaling = json.loads(ours)
+        if scaling.get("rope_type") == "llama3" and np.allclose(
+                llama3_rope_freqs(theta, rotary, scaling), f, rtol=1e-6, atol=0):
+            return scaling
+    wavelen = 2 * math.pi * theta ** (np.arange(0, rotary, 2, dtype=np.float64) / rotary)
+    factor = float(f.max())
+    fail = UserError(f"{g.path}: its rope_freqs are not Llama 3.1's llama3 scaling (1, a smooth blend, then a "
+                     f"constant factor with the wavelength), which is the only rope_freqs edgefinfer reads")
+    if factor <= 1.0 or np.any(np.diff(f) < -1e-6 * factor) or abs(f[0] - 1.0) > 1e-6:
+        raise fail
+    blend = (f > 1.0 + 1e-6) & (f < factor * (1 - 1e-6))
+    if blend.sum() < 2:
+        raise fail
+    s = (1.0 / f[blend] - 1.0 / factor) / (1.0 - 1.0 / factor)  # = a / wavelength - b
+    a, minus_b = np.polyfit(1.0 / wavelen[blend], s, 1)
+    b = -minus_b
+    if b <= 0 or a <= 0:
+        raise fail
+    low = 1.0
+    high = low + 1.0 / b
+    old = a / b
+    if abs(old - round(old)) < 1e-3 * old:
+        old = round(old)
+    if abs(high - round(high, 4)) < 1e-5 * high:
+        high = round(high, 4)
+    return {"rope_type": "llama3", "factor": _f32(factor), "low_freq_factor": low, "high_freq_factor": float(high),
+            "original_max_position_embeddings": int(old) if isinstance(old, int) else float(old)}
 
 
 def _f32(x: float) -> float:
@@ -217,13 +408,14 @@ def _eos_ids(g: GGUFFile) -> int | list[int] | None:
 
 
 # ---- weights ---------------------------------------------------------------------------------------
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """Our (HF) parameter name for a llama.cpp tensor name, None if it has none."""
+def hf_tensor_name(gguf_name: str, sandwich_norms: bool = False) -> str | None:
+    """Our (HF) parameter name for a llama.cpp tensor name, None if it has none (see also FUSED_TENSORS)."""
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
     m = _LAYER_NAME.fullmatch(gguf_name)
-    if m and m[2] in _LAYER_TENSORS:
-        return f"model.layers.{m[1]}.{_LAYER_TENSORS[m[2]]}"
+    names = layer_tensor_names(sandwich_norms)
+    if m and m[2] in names:
+        return f"model.layers.{m[1]}.{names[m[2]]}"
     return None
 
 
@@ -252,17 +444,33 @@ def dequantize(tensor: Any) -> np.ndarray:
 
 
 def state_dict_from_gguf(g: GGUFFile, config: ModelConfig) -> dict[str, torch.Tensor]:
-    """All weights as fp32 tensors under our parameter names, q/k un-permuted for llama."""
+    """All weights as fp32 tensors under our parameter names: q/k un-permuted for the architectures
+    llama.cpp rotates in interleaved pairs, Phi-3's fused qkv and gate|up split into their parts."""
+    arch = config.family.gguf_arch
+    permuted = arch in PERMUTED_ARCHS
     state: dict[str, torch.Tensor] = {}
     for tensor in g.reader.tensors:
-        name = hf_tensor_name(tensor.name)
+        if tensor.name in _ROPE_TENSORS:
+            continue  # read into the config's rope_scaling
+        m = _LAYER_NAME.fullmatch(tensor.name)
+        if arch == "phi3" and m and m[2] in FUSED_TENSORS and not (m[2] == "ffn_up.weight"
+                                                                 and f"blk.{m[1]}.ffn_gate.weight" in g.tensors):
+            w = dequantize(tensor)
+            q, kv = config.num_attention_heads * config.dim_per_head, config.num_key_value_heads * config.dim_per_head
+            sizes = (q, kv, kv) if m[2] == "attn_qkv.weight" else (config.intermediate_size,) * 2
+            if w.shape[0] != sum(sizes):
+                raise UserError(f"{g.path}: {tensor.name} has {w.shape[0]} rows, the metadata implies {sum(sizes)}")
+            for part, rows in zip(FUSED_TENSORS[m[2]], np.split(w, np.cumsum(sizes)[:-1]), strict=True):
+                state[f"model.layers.{m[1]}.{part}"] = torch.from_numpy(np.ascontiguousarray(rows))
+            continue
+        name = hf_tensor_name(tensor.name, config.sandwich_norms)
         if name is None:
             raise UserError(f"{g.path}: tensor {tensor.name!r} has no counterpart in edgefinfer's "
                             f"{config.model_type} model")
         w = dequantize(tensor)
-        if config.model_type == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+        if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
             w = unpermute_qk(w, config.num_attention_heads)
-        elif config.model_type == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+        elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
             w = unpermute_qk(w, config.num_key_value_heads)
         state[name] = torch.from_numpy(w)
     return state
@@ -291,13 +499,18 @@ def model_from_state(config: ModelConfig, state: dict[str, torch.Tensor], source
 
 # ---- tokenizer -------------------------------------------------------------------------------------
 def tokenizer_from_gguf(g: GGUFFile) -> Tokenizer:
-    """The file's byte-level BPE tokenizer, splitting text exactly as llama.cpp does."""
+    """The file's tokenizer, splitting text exactly as llama.cpp does: byte-level BPE ('gpt2') here,
+    SentencePiece ('llama', Gemma 3) in `edgefinfer.gguf_spm`."""
     kind = g.value("tokenizer.ggml.model")
     if kind is None:
         raise UserError(f"{g.path} has no tokenizer (tokenizer.ggml.model); edgefinfer needs one in the file")
+    if kind == "llama":  # SentencePiece (Gemma 3): edgefinfer.gguf_spm
+        from edgefinfer.gguf_spm import spm_tokenizer_from_gguf
+
+        return spm_tokenizer_from_gguf(g)
     if kind != "gpt2":
         raise UserError(f"{g.path}: tokenizer model {kind!r} is not supported; GGUF import reads byte-level BPE "
-                        f"('gpt2') tokenizers only")
+                        f"('gpt2') and SentencePiece ('llama') tokenizers")
     pre = g.value("tokenizer.ggml.pre")
     if pre not in _PRE_SPLITS:
         raise UserError(f"{g.path}: pre-tokenizer {pre!r} is not supported; edgefinfer reproduces "
@@ -331,7 +544,7 @@ def tokenizer_from_gguf(g: GGUFFile) -> Tokenizer:
     add_bos = bool(g.value("tokenizer.ggml.add_bos_token", pre in _LLAMA3_PRES)) and bos is not None
     add_eos = bool(g.value("tokenizer.ggml.add_eos_token", False)) and eos is not None
     if add_bos or add_eos:
-        backend.post_processor = _bos_eos_processor(bos if add_bos else None, eos if add_eos else None, backend)
+        backend.post_processor = bos_eos_processor(bos if add_bos else None, eos if add_eos else None, backend)
     return Tokenizer(backend, bos_token=bos, eos_token=eos, chat_template=g.value("tokenizer.chat_template"),
                      add_bos_token=add_bos)
 
@@ -342,15 +555,6 @@ def _merge_pair(merge: str) -> tuple[str, str]:
     if cut < 0:
         raise UserError(f"tokenizer merge {merge!r} has no space; the GGUF's tokenizer is corrupt")
     return merge[:cut], merge[cut + 1:]
-
-
-def _bos_eos_processor(bos: str | None, eos: str | None, backend: HFTokenizer) -> processors.TemplateProcessing:
-    def wrap(seq: str) -> str:
-        return " ".join(p for p in (bos, seq, eos) if p is not None)
-
-    specials = [(t, backend.token_to_id(t)) for t in dict.fromkeys(p for p in (bos, eos) if p is not None)]
-    return processors.TemplateProcessing(single=wrap("$A"), pair=f"{wrap('$A')} {wrap('$B:1')}",
-                                         special_tokens=specials)
 
 
 # ---- entry points ----------------------------------------------------------------------------------

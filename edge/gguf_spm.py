@@ -32,7 +32,7 @@ from tokenizers import AddedToken, decoders, models, normalizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from edgefinfer.errors import UserError
-from edgefinfer.tokenizer import Tokenizer
+from edgefinfer.tokenizer import Tokenizer, bos_eos_processor
 
 # llama.cpp token types (tokenizer.ggml.token_type).
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED = 1, 2, 3, 4
@@ -99,8 +99,7 @@ def spm_tokenizer_from_gguf(g) -> Tokenizer:
     add_bos = bool(g.value("tokenizer.ggml.add_bos_token", True)) and bos is not None
     add_eos = bool(g.value("tokenizer.ggml.add_eos_token", False)) and eos is not None
     if add_bos or add_eos:
-        from edgefinfer.gguf_import import _bos_eos_processor
 
-        backend.post_processor = _bos_eos_processor(bos if add_bos else None, eos if add_eos else None, backend)
+        backend.post_processor = bos_eos_processor(bos if add_bos else None, eos if add_eos else None, backend)
     return Tokenizer(backend, bos_token=bos, eos_token=eos, chat_template=g.value("tokenizer.chat_template"),
                      add_bos_token=add_bos)

@@ -170,3 +170,15 @@ def _compile_template(source: str) -> jinja2.Template:
         except jinja2.TemplateSyntaxError as e:
             raise UserError(f"chat template does not parse: {e.message} (line {e.lineno})") from None
     return _TEMPLATES[source]
+
+
+def bos_eos_processor(bos: str | None, eos: str | None, backend: HFTokenizer) -> Any:
+    """A post-processor adding `bos` before and `eos` after each sequence (None: not that one)."""
+    from tokenizers import processors
+
+    def wrap(seq: str) -> str:
+        return " ".join(p for p in (bos, seq, eos) if p is not None)
+
+    specials = [(t, backend.token_to_id(t)) for t in dict.fromkeys(p for p in (bos, eos) if p is not None)]
+    return processors.TemplateProcessing(single=wrap("$A"), pair=f"{wrap('$A')} {wrap('$B:1')}",
+                                         special_tokens=specials)

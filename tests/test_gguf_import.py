@@ -354,8 +354,8 @@ def test_truncated_file(tmp_path, vocab, keep):
 
 def test_unsupported_architecture_tokenizer_and_pre(tmp_path, vocab):
     model = tiny_model(len(vocab["tokens"]))
-    msg = _one_line_error(write_gguf(tmp_path / "a.gguf", model, vocab, arch="gemma3"))
-    assert "'gemma3' is not supported" in msg and "llama, qwen2" in msg
-    assert "tokenizer model 'llama'" in _one_line_error(write_gguf(tmp_path / "b.gguf", model, vocab,
-                                                                   tokenizer_model="llama"))
+    msg = _one_line_error(write_gguf(tmp_path / "a.gguf", model, vocab, arch="gpt2"))
+    assert "'gpt2' is not supported" in msg and "llama, qwen2" in msg
+    assert "tokenizer model 't5'" in _one_line_error(write_gguf(tmp_path / "b.gguf", model, vocab,
+                                                                tokenizer_model="t5"))
     assert "pre-tokenizer 'falcon'" in _one_line_error(write_gguf(tmp_path / "c.gguf", model, vocab, pre="falcon"))
