@@ -83,3 +83,65 @@ def save_hf(name: str, folder: Path, seed: int = 0):
     model = hf_model(name, seed)
     model.save_pretrained(folder)
     return model
+
+
+def llamacpp_config(name: str):
+    """The family's tiny transformers config, changed only where llama.cpp hard-codes another choice:
+    no sliding window for Qwen2 and Mistral (llama.cpp's qwen2 and llama run every layer globally),
+    no RoPE on every 4th layer for SmolLM3 (the tiny config has every 2nd), Gemma 3's attention scaled
+    by head_dim, Phi-3's longrope with an original context llama.cpp's stays within."""
+    import transformers as tf
+
+    if name == "qwen2":
+        return tf.Qwen2Config(**_SIZES, num_hidden_layers=3, use_sliding_window=False,
+                              rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    if name == "mistral":
+        return tf.MistralConfig(**_SIZES, num_hidden_layers=2, sliding_window=None,
+                                rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    if name == "smollm3":
+        return tf.SmolLM3Config(**_SIZES, num_hidden_layers=4, no_rope_layer_interval=4,
+                                rope_parameters={"rope_type": "default", "rope_theta": 2e6})
+    if name == "phi3":  # llama.cpp sizes its context to 256 at least, and past the original one uses the
+        # long factors; our model applies the short ones (contexts up to the original length)
+        half = int(16 * 0.5) // 2
+        return tf.Phi3Config(**{**_SIZES, "max_position_embeddings": 512}, num_hidden_layers=2,
+                             original_max_position_embeddings=256,
+                             rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                              "partial_rotary_factor": 0.5,
+                                              "short_factor": [1.0 + 0.1 * i for i in range(half)],
+                                              "long_factor": [2.0 + 0.5 * i for i in range(half)],
+                                              "original_max_position_embeddings": 256})
+    config = hf_config(name)
+    if name == "gemma3":  # llama.cpp scales scores by 1/sqrt(head_dim) whatever query_pre_attn_scalar says
+        config.query_pre_attn_scalar = config.head_dim
+    return config
+
+
+def random_hf_model(config, gemma: bool, seed: int = 0):
+    """As tests.families.hf_model, for any config."""
+    import transformers as tf
+
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith("norm.weight"):
+                p.uniform_(-0.2, 0.2) if gemma else p.uniform_(0.8, 1.2)
+            else:
+                p.normal_(0.0, 0.15)
+    return model
+
+
+def byte_tokenizer(vocab_size: int = 128):
+    """A byte-level BPE of `vocab_size` tokens, nearly all single characters: the families' vocabularies are
+    128 tokens, fewer than any trained byte-level BPE. The tests feed ids; llama.cpp only loads it."""
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+
+    from edgefinfer.tokenizer import Tokenizer
+
+    tokens = sorted(pre_tokenizers.ByteLevel.alphabet())[:vocab_size - 2] + ["th", "he"]  # llama.cpp needs merges
+    backend = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[("t", "h"), ("h", "e")]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    return Tokenizer(backend)
