@@ -90,13 +90,25 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        # An exporter may set one linear computing q|k|v (`edgefinfer.compile.fusion`): one kernel
+        # call and one activation quantization instead of three. The checkpoint keeps q/k/v apart.
+        self.qkv_proj: nn.Module | None = None
+
+    def projections(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x [B, S, d] -> q [B, S, H*D], k and v [B, S, Hkv*D]."""
+        if self.qkv_proj is not None:
+            kv = self.n_kv_heads * self.head_dim
+            q, k, v = self.qkv_proj(x).split([self.n_heads * self.head_dim, kv, kv], dim=-1)
+            return q, k, v
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def project_qkv(self, x: Tensor, ropes: RopeTables) -> tuple[Tensor, Tensor, Tensor]:
         """x [B, S, d] -> q [B, S, H, D], k and v [B, S, Hkv, D]: projections, q/k norms, RoPE."""
         B, S, _ = x.shape
-        q = self.q_proj(x).view(B, S, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(B, S, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(B, S, self.n_kv_heads, self.head_dim)
+        q, k, v = self.projections(x)
+        q = q.view(B, S, self.n_heads, self.head_dim)
+        k = k.view(B, S, self.n_kv_heads, self.head_dim)
+        v = v.view(B, S, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope is not None:
@@ -147,9 +159,14 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(f, d, bias=config.mlp_bias)
         self.act_name = config.hidden_act
         self.act = activation(config.hidden_act)
+        self.gate_up_proj: nn.Module | None = None  # gate|up in one linear, set by an exporter (as qkv_proj)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
