@@ -7,16 +7,22 @@ cache buffer, instead of a functionalised `index_put` that copies the whole cach
 from a start position or under an explicit additive mask). Both want the sequence dimension second.
 
 This module is a *source transformation*, applied to a copy of the model at export time only:
-`swap_attention` replaces every `Attention` by a `CustomOpAttention` that reuses the same q/k/v/o
-projections and RoPE and hands the attention core to an export cache:
+`swap_attention` replaces every `Attention` by a `CustomOpAttention` that reuses the original
+module's `project_qkv` (projections, q/k norms, full / partial / no RoPE: every family's features)
+and hands the attention core to an export cache, with the layer's attention scale:
 
 * `EtStaticCache`   slot t holds position t; causal attention from `start_pos`
-                    (`custom_sdpa(..., is_causal=True)`), or an explicit mask when the model has its
+                    (`custom_sdpa(..., is_causal=True)`), or an explicit mask for a layer with its
                     own sliding window shorter than the cache.
 * `EtRingCache`     the sliding-window ring with attention sinks (the layout and masking rule of
                     `edgefinfer.runtime.kv.window.SlidingWindowCache`), written with
                     `llama::update_cache_with_indices` and read with `custom_sdpa` under a mask
                     computed from the slots' positions.
+
+Windows are per layer (Gemma 3 interleaves sliding and global layers): `begin` builds one mask per
+distinct window of the forward and each layer attends under its own. Under the ring cache a layer
+applies the tighter of its own window and the ring's, so a global layer sees the ring's window
+(`edgefinfer.cache.effective_window`, the runtime's `--kv window:N` policy).
 
 The ring cache writes a chunk before attending, so a chunk must not overwrite history its own
 first query still needs: a chunk holds at most `lookahead + 1` tokens (`max_chunk`), enforced by
@@ -37,10 +43,10 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from edgefinfer.cache import may_attend
+from edgefinfer.cache import effective_window, may_attend
 from edgefinfer.config import ModelConfig
 from edgefinfer.errors import UserError
-from edgefinfer.model import Attention, Transformer, apply_rope
+from edgefinfer.model import Attention, RopeTables, Transformer
 
 
 def load_custom_ops() -> None:
@@ -61,8 +67,15 @@ class Call(NamedTuple):
 
     cache: "EtStaticCache | EtRingCache"
     start: int | torch.SymInt  # position of the chunk's first token
-    mask: Tensor | None  # additive [S, T], or None for causal attention from `start`
+    masks: dict[int | None, Tensor | None]  # per window: additive [S, T], or None = causal from `start`
     slots: Tensor | None  # ring slots [1, S] of the chunk's tokens
+
+    def mask(self, layer: int) -> Tensor | None:
+        return self.masks[self.cache.windows[layer]]
+
+
+def _layer_windows(config: ModelConfig) -> list[int | None]:
+    return [config.window_of(i) for i in range(config.num_hidden_layers)]
 
 
 class EtStaticCache(nn.Module):
@@ -72,9 +85,11 @@ class EtStaticCache(nn.Module):
         super().__init__()
         self.n_layers = config.num_hidden_layers
         self.max_seq_len = max_seq_len
-        # A model-level sliding window shorter than the cache needs an explicit mask.
-        w = config.sliding_window
-        self.window = w if w is not None and w < max_seq_len else None
+        # A layer's sliding window shorter than the cache needs an explicit mask; a longer one (or
+        # none) is plain causal attention.
+        self.windows = [w if w is not None and w < max_seq_len else None for w in _layer_windows(config)]
+        distinct = set(self.windows)
+        self.window = distinct.pop() if len(distinct) == 1 else None  # the window all layers share, if any
         self.max_chunk = max_seq_len
         shape = (1, max_seq_len, config.num_key_value_heads, config.dim_per_head)
         for i in range(self.n_layers):
@@ -88,20 +103,22 @@ class EtStaticCache(nn.Module):
         start = positions[0].item()
         torch._check(start >= 0)
         torch._check(start + positions.shape[0] <= self.max_seq_len)
-        mask = None
-        if self.window is not None:
-            slots = torch.arange(self.max_seq_len, device=positions.device)
-            mask = _additive_mask(positions, slots, self.window, 0)  # [S, T]
-        return Call(self, start, mask, None)
+        masks: dict[int | None, Tensor | None] = {}
+        slots = torch.arange(self.max_seq_len, device=positions.device)
+        for w in sorted(set(self.windows), key=lambda w: -1 if w is None else w):
+            masks[w] = None if w is None else _additive_mask(positions, slots, w, 0)  # [S, T]
+        return Call(self, start, masks, None)
 
-    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, call: Call) -> Tensor:
-        """q [1, S, H, D], k/v [1, S, Hkv, D] (after RoPE) -> [1, S, H, D]."""
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, call: Call, scale: float | None = None) -> Tensor:
+        """q [1, S, H, D], k/v [1, S, Hkv, D] (after RoPE) -> [1, S, H, D]; `scale` multiplies q.k
+        (None: 1 / sqrt(D))."""
         k_cache, v_cache = getattr(self, f"k_{layer}"), getattr(self, f"v_{layer}")
         torch.ops.llama.update_cache(k, k_cache, call.start)
         torch.ops.llama.update_cache(v, v_cache, call.start)
-        if call.mask is None:
-            return torch.ops.llama.custom_sdpa(q, k_cache, v_cache, call.start, None, 0, True)
-        return torch.ops.llama.custom_sdpa(q, k_cache, v_cache, 0, call.mask, 0, False)
+        mask = call.mask(layer)
+        if mask is None:
+            return torch.ops.llama.custom_sdpa(q, k_cache, v_cache, call.start, None, 0, True, scale)
+        return torch.ops.llama.custom_sdpa(q, k_cache, v_cache, 0, mask, 0, False, scale)
 
 
 class EtRingCache(nn.Module):
@@ -117,8 +134,9 @@ class EtRingCache(nn.Module):
         if lookahead < 0:
             raise UserError(f"lookahead must be >= 0, got {lookahead}")
         self.n_layers = config.num_hidden_layers
-        w = config.sliding_window
-        self.window = min(window, w) if w is not None else window
+        # Each layer: the tighter of its own window and the ring's (a global layer gets the ring's).
+        self.windows = [effective_window(w, _RingWindow(window))[0] for w in _layer_windows(config)]
+        self.window = window  # what the ring keeps (the runtime's --kv window:N)
         self.num_sinks = num_sinks
         self.lookahead = lookahead
         self.ring = window + lookahead
@@ -142,14 +160,20 @@ class EtRingCache(nn.Module):
         held = torch.where(self.slot_pos >= positions[:1], -1, self.slot_pos)
         held = held.index_put((slots,), positions)  # [C]
         self.slot_pos.copy_(held)
-        mask = _additive_mask(positions, held, self.window, self.num_sinks)  # [S, C]
-        return Call(self, 0, mask, slots[None])  # update_cache_with_indices wants slots [B, S]
+        masks = {w: _additive_mask(positions, held, w, self.num_sinks) for w in sorted(set(self.windows))}  # [S, C]
+        return Call(self, 0, masks, slots[None])  # update_cache_with_indices wants slots [B, S]
 
-    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, call: Call) -> Tensor:
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, call: Call, scale: float | None = None) -> Tensor:
         k_cache, v_cache = getattr(self, f"k_{layer}"), getattr(self, f"v_{layer}")
         torch.ops.llama.update_cache_with_indices(k, k_cache, 0, call.slots)
         torch.ops.llama.update_cache_with_indices(v, v_cache, 0, call.slots)
-        return torch.ops.llama.custom_sdpa(q, k_cache, v_cache, 0, call.mask, 0, False)
+        return torch.ops.llama.custom_sdpa(q, k_cache, v_cache, 0, call.mask(layer), 0, False, scale)
+
+
+class _RingWindow(NamedTuple):
+    """What `effective_window` reads of a cache: its window."""
+
+    window: int
 
 
 EtCache = EtStaticCache | EtRingCache
@@ -158,25 +182,29 @@ EtCache = EtStaticCache | EtRingCache
 class CustomOpAttention(nn.Module):
     """`Attention` with its core (cache write, mask, SDPA) done by ExecuTorch's custom ops.
 
-    The projections and RoPE are the original module's (same parameters, same arithmetic); only the
-    layout differs: heads stay in [B, S, H, D], the layout the custom ops read, so no transposes are
-    needed around the cache.
+    Projections, q/k norms and RoPE are the original module's `project_qkv` (same parameters, same
+    arithmetic), which leaves heads in [B, S, H, D], the layout the custom ops read, so no transposes
+    are needed around the cache. The window is the cache's per-layer choice (see `Call.mask`).
     """
 
     def __init__(self, attn: Attention):
         super().__init__()
+        self.attn = attn  # shared with the original model: its parameters, norms and RoPE
         self.layer_idx = attn.layer_idx
-        self.n_heads, self.n_kv_heads, self.head_dim = attn.n_heads, attn.n_kv_heads, attn.head_dim
-        self.q_proj, self.k_proj, self.v_proj, self.o_proj = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
+        self.n_heads, self.head_dim = attn.n_heads, attn.head_dim
+        self.window, self.rope, self.scale = attn.window, attn.rope, attn.scale
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor, cache: Call) -> Tensor:
-        """Same signature as `Attention.forward`; `cache` is the forward's `Call` (see ExportableLM)."""
+    # The original module's projections (shared, registered once under `attn`).
+    q_proj = property(lambda self: self.attn.q_proj)
+    k_proj = property(lambda self: self.attn.k_proj)
+    v_proj = property(lambda self: self.attn.v_proj)
+    o_proj = property(lambda self: self.attn.o_proj)
+
+    def forward(self, x: Tensor, ropes: RopeTables, input_pos: Tensor, call: Call) -> Tensor:
+        """Same signature as `Attention.forward`; `call` is the forward's `Call` (see ExportableLM)."""
         B, S, _ = x.shape
-        cos, sin = cos.transpose(1, 2), sin.transpose(1, 2)  # [B, 1, S, D] -> [B, S, 1, D]
-        q = apply_rope(self.q_proj(x).view(B, S, self.n_heads, self.head_dim), cos, sin)  # [B, S, H, D]
-        k = apply_rope(self.k_proj(x).view(B, S, self.n_kv_heads, self.head_dim), cos, sin)  # [B, S, Hkv, D]
-        v = self.v_proj(x).view(B, S, self.n_kv_heads, self.head_dim)
-        y = cache.cache.attend(self.layer_idx, q, k, v, cache)  # [B, S, H, D]
+        q, k, v = self.attn.project_qkv(x, ropes)  # [B, S, H | Hkv, D]
+        y = call.cache.attend(self.layer_idx, q, k, v, call, self.scale)  # [B, S, H, D]
         return self.o_proj(y.reshape(B, S, self.n_heads * self.head_dim))
 
 
