@@ -29,7 +29,7 @@ from edgefinfer import artefact
 from edgefinfer.atomic import user_mode
 
 # The exporter modules whose source is part of the key: editing them invalidates old programs.
-SOURCES = ("executorch_export.py", "et_attention.py", "et_quant.py", "et_cache.py")
+SOURCES = ("executorch_export.py", "et_attention.py", "et_quant.py", "et_cache.py", "fusion.py")
 
 
 def default_store() -> Path:

@@ -329,8 +329,13 @@ def _prepare_weights(model: Transformer, opts: dict[str, Any]) -> Transformer:
 
 def _exportable(model: Transformer, opts: dict[str, Any]) -> tuple[nn.Module, tuple, tuple]:
     """The module torch.export sees, an example input and the dynamic shapes."""
+    from edgefinfer.compile.fusion import fuse_projections
     from edgefinfer.compile.quant import torchao_model
 
+    if opts["delegate"] == "xnnpack":
+        # q|k|v and gate|up as one linear each: one dynamic quantization (and one group-sum, for a float
+        # zero point) per input instead of three or two, and fewer nodes for every lowering pass
+        fuse_projections(model)
     if opts["scheme"] in QUANTIZED_SCHEMES:
         model = torchao_model(model)  # QuantLinear -> nn.Linear holding the same codes as a torchao tensor
     cfg = model.config
