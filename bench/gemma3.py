@@ -111,7 +111,8 @@ def heldout_ppl(logits_fn, tok, tokens: int, window: int) -> dict:
     out = {}
     for split in HELDOUT_SPLITS:
         ids = tok.encode(load_text(split)[: tokens * 8])[:tokens]
-        out[split] = perplexity(lambda t: torch.as_tensor(logits_fn(t)), ids, window=window, stride=window).ppl
+        out[split] = perplexity(lambda t: torch.as_tensor(logits_fn(t)), ids, window=window, stride=window,
+                                prefix=tok.scoring_prefix).ppl
     return out
 
 

@@ -60,9 +60,16 @@ def windows(n_tokens: int, window: int, stride: int) -> Iterator[tuple[int, int,
 
 @torch.inference_mode()
 def perplexity(model: torch.nn.Module | LogitsFn, ids: list[int] | Tensor, window: int = 512,
-               stride: int | None = None, max_tokens: int | None = None, progress: bool = False) -> Perplexity:
-    """Strided perplexity of `ids` (a 1-D token sequence, no BOS added) under `model`."""
-    stride = stride or window
+               stride: int | None = None, max_tokens: int | None = None, progress: bool = False,
+               prefix: list[int] | tuple[int, ...] = ()) -> Perplexity:
+    """Strided perplexity of `ids` (a 1-D token sequence, no BOS added) under `model`.
+
+    `prefix`: tokens put before every window and not scored, e.g. the BOS a model was trained to see
+    first (Gemma: without it the model is far off its training distribution; llama.cpp's perplexity
+    tool adds it too). A window then holds `window - len(prefix)` text tokens, so each call stays
+    within `window` positions."""
+    window -= len(prefix)
+    stride = min(stride or window, window)
     if not 0 < stride <= window:
         raise UserError(f"stride must be in 1..window ({window}), got {stride}")
     ids = torch.as_tensor(ids, dtype=torch.long).flatten()
@@ -71,11 +78,12 @@ def perplexity(model: torch.nn.Module | LogitsFn, ids: list[int] | Tensor, windo
     if ids.numel() < 2:
         raise UserError("perplexity needs at least 2 tokens of text; the evaluation text is empty or too short")
     fn = as_logits_fn(model)
+    head = torch.as_tensor(list(prefix), dtype=torch.long)
     spans = list(windows(ids.numel(), window, stride))
     nll_sum, count, t0 = 0.0, 0, time.perf_counter()
     for i, (begin, end, first) in enumerate(spans):
         chunk = ids[begin:end]
-        logits = fn(chunk[None])[0].float()  # [S, V]
+        logits = fn(torch.cat([head, chunk])[None])[0, len(head):].float()  # [S, V] of the window's own tokens
         # logits at position t predict token t+1: score targets first..end-1.
         pred = logits[first - begin - 1: end - begin - 1]
         target = chunk[first - begin:]

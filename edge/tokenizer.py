@@ -87,6 +87,12 @@ class Tokenizer:
         return self.token_id(self.bos_token)
 
     @property
+    def scoring_prefix(self) -> list[int]:
+        """The tokens a text starts with for this model: [BOS] when the tokenizer adds one (Gemma: the
+        model was trained to see it first), else none. Perplexity windows put it before each window."""
+        return [self.bos_id] if self.add_bos_token and self.bos_id is not None else []
+
+    @property
     def eos_id(self) -> int | None:
         return self.token_id(self.eos_token)
 

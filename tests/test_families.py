@@ -218,3 +218,32 @@ def test_distillation_student_from_a_depth_override(family):
     assert student.config.model_type == ours.config.model_type and student.config.num_hidden_layers == 2
     with torch.no_grad():
         assert student(TOKENS).shape == (1, TOKENS.shape[1], 128)
+
+
+def test_perplexity_windows_start_with_the_scoring_prefix(family):
+    """A model trained to see BOS first (Gemma) is scored with BOS before every window, unscored, and a
+    window keeps `window` positions in all."""
+    import math
+
+    import torch.nn.functional as F
+
+    from edgefinfer.evaluate import perplexity
+
+    _, _, ours, _ = family
+    ids = TOKENS[0, 1:].tolist() * 3  # 33 tokens, windows of 8 (7 text tokens after the prefix)
+    seen = []
+
+    def fn(t):
+        seen.append(t[0].tolist())
+        return ours(t)
+
+    with torch.no_grad():
+        got = perplexity(fn, ids, window=8, stride=8, prefix=[1])
+        nll, n = 0.0, 0
+        for begin in range(0, len(ids), 7):
+            chunk = ids[begin:begin + 7]
+            logits = ours(torch.tensor([[1] + chunk]))[0, 1:]
+            nll += F.cross_entropy(logits[:-1], torch.tensor(chunk[1:]), reduction="sum").item()
+            n += len(chunk) - 1
+    assert all(s[0] == 1 and len(s) <= 8 for s in seen)
+    assert got.tokens == n and abs(got.ppl - math.exp(nll / n)) < 1e-4 * got.ppl

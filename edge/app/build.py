@@ -115,7 +115,8 @@ def build(opts: BuildOptions) -> Path:
     done()
 
     done = log.step(2, n_steps, "float perplexity (eager torch)")
-    float_ppl = _perplexity_of(lambda ids: model(ids), test_ids, opts.eval_window) if test_ids else None
+    prefix = tokenizer.scoring_prefix  # [BOS] for models trained to see one first (Gemma)
+    float_ppl = _perplexity_of(lambda ids: model(ids), test_ids, opts.eval_window, prefix) if test_ids else None
     done(f": {float_ppl:.3f}" if float_ppl else "")
 
     recipe = opts.recipe or target.recipe
@@ -151,7 +152,7 @@ def build(opts: BuildOptions) -> Path:
             build_s = time.perf_counter() - t_build
             done()
             done = log.step(5, n_steps, "evaluate the artefact with its runtime")
-            figures = evaluate_artefact(target, writer.tmp / art_files[0], test_ids, float_ppl, opts) \
+            figures = evaluate_artefact(target, writer.tmp / art_files[0], test_ids, float_ppl, opts, prefix) \
                 if target.runs_here and test_ids else {}
             done()
             if opts.quality_budget is None or _confirmed(figures, opts.quality_budget, tried, target):
@@ -241,13 +242,13 @@ def _test_tokens(tokenizer, n: int) -> list[int]:
     return tokenizer.encode(load_text("test")[: n * 8])[:n]
 
 
-def _perplexity_of(logits_fn, ids: list[int], window: int) -> float:
+def _perplexity_of(logits_fn, ids: list[int], window: int, prefix: list[int] = ()) -> float:
     """Disjoint windows: every window starts from an empty cache, as a phone's prompt would."""
     import torch
 
     from edgefinfer.evaluate import perplexity
 
-    return perplexity(lambda t: torch.as_tensor(logits_fn(t)), ids, window=window, stride=window).ppl
+    return perplexity(lambda t: torch.as_tensor(logits_fn(t)), ids, window=window, stride=window, prefix=prefix).ppl
 
 
 def quantize_for(model, target: Target, recipe: str, tokenizer):
@@ -353,7 +354,7 @@ def artefact_cache(target: Target, kv: str | None) -> KVCache:
 
 
 def evaluate_artefact(target: Target, path: Path, test_ids: list[int], float_ppl: float | None,
-                      opts: BuildOptions) -> dict[str, Any]:
+                      opts: BuildOptions, prefix: list[int] = ()) -> dict[str, Any]:
     """Perplexity and host speed of the artefact, run by its own runtime."""
     if target.format == "qnn-context":
         # The HTP emulator takes seconds per token on a real model: measure the same QDQ graphs on the
@@ -375,7 +376,7 @@ def evaluate_artefact(target: Target, path: Path, test_ids: list[int], float_ppl
         backend.reset()
         return backend.forward(tokens[0].tolist(), 0)[None]
 
-    ppl = _perplexity_of(logits_fn, test_ids, min(opts.eval_window, backend.max_seq_len))
+    ppl = _perplexity_of(logits_fn, test_ids, min(opts.eval_window, backend.max_seq_len), prefix)
     # Speed through the runtime's own token loop: 64 prompt tokens, then 33 greedy tokens (no stop ids).
     from edgefinfer.generation import GenerationStats
     from edgefinfer.runtime.decode import generate_tokens
@@ -459,7 +460,7 @@ def eager_candidates(model, target: Target, tokenizer, float_ppl: float, test_id
         quantized = quantize_for(model, target, recipe, tokenizer)
         scored, size = (_llamacpp_weights(model, tokenizer, recipe) if recipe.startswith(LLAMACPP_PREFIX) else
                         (quantized, model_size_bytes(quantized)))
-        ppl = _perplexity_of(lambda ids: scored(ids), test_ids, opts.eval_window)
+        ppl = _perplexity_of(lambda ids: scored(ids), test_ids, opts.eval_window, tokenizer.scoring_prefix)
         tried.append(Candidate(recipe, size_bytes=size,
                                eager_ppl_delta=round(100 * (ppl / float_ppl - 1), 3)))
         within = tried[-1].eager_ppl_delta <= opts.quality_budget

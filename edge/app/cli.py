@@ -81,7 +81,8 @@ def eval_(model: str, split: str, window: int, stride: int, max_tokens: int, thr
     folder = resolve_model(model)
     net, tok = load_model(folder), Tokenizer.from_dir(folder)
     ids = tok.encode(load_text(split))
-    result = perplexity(net, ids, window, stride, max_tokens or None, progress=not as_json)
+    result = perplexity(net, ids, window, stride, max_tokens or None, progress=not as_json,
+                        prefix=tok.scoring_prefix)
     if as_json:
         click.echo(json.dumps({"model": str(folder), "split": split, **result.to_dict()}))
     else:
