@@ -179,8 +179,13 @@ def main() -> None:
             result["float_ppl"] = float_ppl
             print("float", float_ppl, flush=True)
             result["bundles"] = []
+            from edgefinfer.errors import UserError
+
             for target in args.targets.split(","):
-                row = check_bundle(target, folder, Path(tmp), float_ppl, args)
+                try:
+                    row = check_bundle(target, folder, Path(tmp), float_ppl, args)
+                except UserError as e:  # a refusal is a result too (the build says why in one line)
+                    row = {"target": target, "refused": str(e)}
                 result["bundles"].append(row)
                 print(json.dumps(row, indent=1), flush=True)
     result["machine"]["load_avg_at_end"] = [round(x, 2) for x in __import__("os").getloadavg()]

