@@ -570,9 +570,13 @@ def import_gguf(path: str | Path) -> tuple[Transformer, Tokenizer]:
     return model, tokenizer
 
 
-def convert_gguf(path: str | Path, out_dir: str | Path, extra_files: dict[str, str] | None = None) -> Path:
-    """Write a GGUF file as a Hugging Face folder (fp32 safetensors, tokenizer.json), atomically."""
+def convert_gguf(path: str | Path, out_dir: str | Path, extra_files: dict[str, str] | None = None,
+                 chat_template: str | None = None) -> Path:
+    """Write a GGUF file as a Hugging Face folder (fp32 safetensors, tokenizer.json), atomically.
+    `chat_template`: the template to use when the file carries none."""
     model, tokenizer = import_gguf(path)
+    if tokenizer.chat_template is None:
+        tokenizer.chat_template = chat_template
     with tempfile.TemporaryDirectory() as tok_dir:
         tokenizer.save(tok_dir)
         return save_model(model, out_dir, tokenizer_dir=tok_dir, extra_files=extra_files)

