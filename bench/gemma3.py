@@ -139,8 +139,8 @@ def check_bundle(target: str, folder: Path, out: Path, float_ppl: dict, args) ->
     return {"target": target, "recipe": manifest.recipe["name"], "artefact": main.path, "size_bytes": main.size,
             "build_s": round(build_s, 1), "ppl": ppl,
             "ppl_delta_pct": {s: round(100 * (ppl[s] / float_ppl[s] - 1), 2) for s in ppl},
-            "decode_tok_s": (main.metrics or {}).get("decode_tok_s"),
-            "prefill_tok_s": (main.metrics or {}).get("prefill_tok_s"), "chat": CHAT, "reply": reply,
+            "decode_tok_s": (manifest.metrics or {}).get("decode_tok_s"),
+            "prefill_tok_s": (manifest.metrics or {}).get("prefill_tok_s"), "chat": CHAT, "reply": reply,
             "path": str(path)}
 
 
