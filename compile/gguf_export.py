@@ -340,6 +340,11 @@ class GGUFExporter:
         w.add_token_list(tokens)
         w.add_token_types([int(t) for t in types])
         w.add_token_merges(merges)
+        return self._finish_tokenizer(tokenizer)
+
+    def _finish_tokenizer(self, tokenizer: Tokenizer) -> "GGUFExporter":
+        """What both vocabularies carry after their tokens: BOS / EOS ids, add_bos, the chat template."""
+        w = self.writer
         for token, setter in ((tokenizer.bos_token, w.add_bos_token_id), (tokenizer.eos_token, w.add_eos_token_id)):
             if token is not None and tokenizer.token_id(token) is not None:
                 setter(tokenizer.token_id(token))
@@ -383,14 +388,7 @@ class GGUFExporter:
         w.add_add_space_prefix(_prepends_space(raw))
         if unk in vocab:
             w.add_unk_token_id(vocab[unk])
-        for token, setter in ((tokenizer.bos_token, w.add_bos_token_id), (tokenizer.eos_token, w.add_eos_token_id)):
-            if token is not None and tokenizer.token_id(token) is not None:
-                setter(tokenizer.token_id(token))
-        w.add_add_bos_token(bool(tokenizer.add_bos_token))
-        if tokenizer.chat_template:
-            w.add_chat_template(tokenizer.chat_template)
-        self.state = State.TOKENIZER
-        return self
+        return self._finish_tokenizer(tokenizer)
 
     def add_weights(self, model: Transformer, dtype: str = "f16") -> "GGUFExporter":
         """Every parameter under llama.cpp's names; 2-D matrices in `dtype`, norms and biases in F32.

@@ -62,20 +62,7 @@ def hf_config(name: str):
 
 def hf_model(name: str, seed: int = 0):
     """The tiny transformers model with random weights large enough for peaked, distinct logits."""
-    import transformers as tf
-
-    config = hf_config(name)
-    config._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if pname.endswith("norm.weight"):
-                # Gemma's norms multiply by 1 + w: keep every gain near 1 either way
-                p.uniform_(-0.2, 0.2) if name == "gemma3" else p.uniform_(0.8, 1.2)
-            else:
-                p.normal_(0.0, 0.15)
-    return model
+    return random_hf_model(hf_config(name), gemma=name == "gemma3", seed=seed)
 
 
 def save_hf(name: str, folder: Path, seed: int = 0):
@@ -118,7 +105,8 @@ def llamacpp_config(name: str):
 
 
 def random_hf_model(config, gemma: bool, seed: int = 0):
-    """As tests.families.hf_model, for any config."""
+    """A transformers model of `config` with random weights; Gemma's norms multiply by 1 + w, so their
+    stored w stays near 0 and every gain near 1 either way."""
     import transformers as tf
 
     config._attn_implementation = "eager"
