@@ -21,6 +21,7 @@ from edgefinfer.errors import UserError
 from edgefinfer.runtime.backends.ort import OrtBackend, OrtStaticBackend
 from edgefinfer.runtime.backends.torch_eager import TorchBackend
 from tests.families import NAMES, WINDOW, save_hf
+from tests.test_onnx_export import compare as compare_backends
 
 PROMPT = [1, 17, 33, 5, 99, 64, 12, 7, 81, 40, 3, 120]  # 12 tokens: 3x the families' windows
 MAX_SEQ = 32
@@ -37,18 +38,9 @@ def family(request, tmp_path_factory):
     return request.param, model, root / "onnx"
 
 
-def compare(ours, ref, prompt=PROMPT, steps=DECODE_STEPS):
-    """Prefill, then greedy decode from the reference's tokens: (max |diff| per call, both token lists)."""
-    got, want = ours.forward(prompt, 0), ref.forward(prompt, 0)
-    diffs, tok_ours, tok_ref = [np.abs(got - want).max()], [int(got[-1].argmax())], [int(want[-1].argmax())]
-    pos = len(prompt)
-    for _ in range(steps):
-        got, want = ours.forward([tok_ref[-1]], pos), ref.forward([tok_ref[-1]], pos)
-        diffs.append(np.abs(got - want).max())
-        tok_ours.append(int(got[-1].argmax()))
-        tok_ref.append(int(want[-1].argmax()))
-        pos += 1
-    return np.array(diffs), tok_ours, tok_ref
+def compare(ours, ref, steps=DECODE_STEPS):
+    """tests/test_onnx_export.compare on this file's prompt (3x the families' windows)."""
+    return compare_backends(ours, ref, PROMPT, steps)
 
 
 def test_float_export_matches_eager(family):
