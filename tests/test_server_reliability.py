@@ -92,49 +92,15 @@ def test_top_p_that_underflows_keeps_the_most_likely_token():
     assert logits_to_probs(logits, 1.0, None, 1e-300).tolist() == [[0.0, 1.0, 0.0, 0.0]]
 
 
-# A grace the streams cannot outlast: the drain ends as soon as the last stream does, so on a fast
-# machine it costs nothing, and on a slow one every stream still finishes.
-LONG_GRACE_S = 300.0
-
-
-@pytest.fixture(scope="module")
-def sigterm_long_grace(gguf, tmp_path_factory):
-    """SIGTERM under 32 streams of 100 tokens with a grace they cannot outlast; how long they took
-    measures this machine's speed, from which the abort case sizes its grace."""
-    log = tmp_path_factory.mktemp("sigterm-long") / "serve.log"
-    return sigterm_under_load(gguf, log, streams=32, max_tokens=100, grace_s=LONG_GRACE_S,
-                              serve_args=("--max-model-len", "256")), log
-
-
-def _drained_cleanly(r: dict, log) -> None:
-    """What holds at any speed: every stream ends with a final event (finished, or ended with "abort" at
-    the grace deadline), never a dropped connection; new requests get 503; the server exits 0."""
-    tail = log.read_text(errors="replace")[-2000:]
-    assert r["exit_code"] == 0, tail
-    assert r["lost"] == 0, (r["lost_errors"], tail)
-    assert sum(r["finish_reasons"].values()) == 32 and set(r["finish_reasons"]) <= {"length", "abort"}, r
-    assert r["new_request_status"] == 503 and r["new_request_body"]["error"]["code"] == "server_shutting_down"
-    report = r["drain_report"]
-    assert (report["in_flight"], report["unsent"], report["kv_used"]) == (32, 0, 0), (report, tail)
-
-
-@pytest.mark.parametrize("reason", ["length", "abort"])
-def test_sigterm_under_32_streams_drains_and_exits_0(gguf, tmp_path, sigterm_long_grace, reason):
-    long_grace, long_log = sigterm_long_grace
-    if reason == "length":  # a grace long enough: every stream finishes
-        _drained_cleanly(long_grace, long_log)
-        assert long_grace["finish_reasons"] == {"length": 32} and long_grace["drain_report"]["ended"] == 0
-        return
-    # A grace as long as 100 tokens took here, for streams that need 240: they are still running at the
-    # deadline and end with finish_reason "abort". A fixed short grace (1 s) raced the harness's late
-    # request on a slow machine: the server exited before reading it, and the client got a reset
-    # (httpx.ReadError) instead of the 503. The measured time includes that request's answer.
-    grace_s = round(long_grace["seconds_to_last_stream"], 2)
-    r = sigterm_under_load(gguf, tmp_path / "serve.log", streams=32, max_tokens=240, grace_s=grace_s,
+@pytest.mark.parametrize("grace_s, max_tokens, reason", [(20.0, 100, "length"), (1.0, 240, "abort")])
+def test_sigterm_under_32_streams_drains_and_exits_0(gguf, tmp_path, grace_s, max_tokens, reason):
+    # A long grace lets every stream finish; a short one ends them all with finish_reason "abort".
+    r = sigterm_under_load(gguf, tmp_path / "serve.log", streams=32, max_tokens=max_tokens, grace_s=grace_s,
                            serve_args=("--max-model-len", "256"))
-    _drained_cleanly(r, tmp_path / "serve.log")
-    aborted = r["finish_reasons"].get("abort", 0)
-    assert r["drain_report"]["ended"] >= aborted >= 1, (grace_s, r)
+    assert r["exit_code"] == 0, (tmp_path / "serve.log").read_text()[-2000:]
+    assert r["finish_reasons"] == {reason: 32} and r["lost"] == 0
+    assert r["new_request_status"] == 503 and r["new_request_body"]["error"]["code"] == "server_shutting_down"
+    assert r["drain_report"] == {"in_flight": 32, "ended": 32 if reason == "abort" else 0, "unsent": 0, "kv_used": 0}
 
 
 def test_sigkill_then_restart_on_the_same_port_serves_again(gguf, tmp_path):
