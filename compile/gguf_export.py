@@ -449,14 +449,13 @@ class GGUFExporter:
 
     def write(self) -> Path:
         self._expect(State.WEIGHTS, "write")
-        try:
-            self.writer.write_header_to_file()
+        from edgefinfer.atomic import atomic_file
+
+        with atomic_file(self.path) as tmp:  # the writer opens its file here, at the temporary path
+            self.writer.write_header_to_file(tmp)
             self.writer.write_kv_data_to_file()
             self.writer.write_tensors_to_file()
             self.writer.close()
-            os.replace(self.tmp, self.path)
-        finally:
-            self.tmp.unlink(missing_ok=True)
         self.state = State.WRITTEN
         return self.path
 
@@ -547,18 +546,18 @@ def _export_k_quant(model: Transformer, tokenizer: Tokenizer, path: Path, dtype:
         import llama_cpp
     except ImportError:
         raise UserError(f"GGUF {dtype.upper()} needs llama.cpp's quantizer: pip install 'edgefinfer[llamacpp]'") from None
+    from edgefinfer.atomic import atomic_file
+
     f32 = path.with_name(f".{path.name}.f32-{os.getpid()}")
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         export_gguf(model, tokenizer, f32, "f32")
         params = llama_cpp.llama_model_quantize_default_params()
         params.ftype = getattr(llama_cpp, LLAMA_FTYPES[dtype])
-        if llama_cpp.llama_model_quantize(str(f32).encode(), str(tmp).encode(), ctypes.byref(params)) != 0:
-            raise UserError(f"llama.cpp could not quantize the model to {dtype.upper()}")
-        os.replace(tmp, path)
+        with atomic_file(path) as tmp:
+            if llama_cpp.llama_model_quantize(str(f32).encode(), str(tmp).encode(), ctypes.byref(params)) != 0:
+                raise UserError(f"llama.cpp could not quantize the model to {dtype.upper()}")
     finally:
         f32.unlink(missing_ok=True)
-        tmp.unlink(missing_ok=True)
     from edgefinfer.gguf_import import open_gguf
 
     counts: dict[str, int] = {}

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import signal
 import sys
 import time
@@ -29,6 +28,7 @@ from typing import Callable, Protocol
 import torch
 from torch import Tensor, nn
 
+from edgefinfer.atomic import atomic_file
 from edgefinfer.distill import distributed
 from edgefinfer.distill.losses import TAILS, forward_kl_topk, hidden_mse, next_token_ce
 from edgefinfer.errors import UserError
@@ -300,9 +300,8 @@ class Trainer:
             "rng": {"cpu": torch.get_rng_state(),
                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
         }
-        tmp = path.with_suffix(f".tmp-{os.getpid()}")
-        torch.save(state, tmp)
-        os.replace(tmp, path)
+        with atomic_file(path) as tmp:  # a checkpoint torn by a kill would be resumed from
+            torch.save(state, tmp)
         for old in self.checkpoint_paths()[:-max(1, self.cfg.keep_checkpoints)]:
             old.unlink(missing_ok=True)
         return path

@@ -1,13 +1,20 @@
-"""Write a folder completely or not at all: build it beside its destination, then swap it into place.
+"""Write a file or a folder completely or not at all: build it beside its destination, then rename it
+into place. The one atomic writer of the package:
 
-Used by every writer of a model folder or bundle, so that an interrupted write (Ctrl-C, SIGKILL, a
-power cut, a full disk) leaves the destination either as it was or complete, never half-written:
+    with atomic_dir(dest) as tmp: ...        # a model folder or bundle: fill tmp/
+    with atomic_file(dest) as tmp: ...       # a file a library writes by path (torch.save, GGUFWriter)
+    write_bytes(dest, data); copy_file(src, dest)
+
+Used by every writer of a file or folder a crash must not tear, so that an interrupted write (Ctrl-C,
+SIGKILL, a power cut, a full disk) leaves the destination either as it was or complete, never half-written:
 
 * every file and folder of the new tree is fsync'ed before the swap, and the parent after it, so the
   rename is never made durable before the data it points at (ext4/xfs may reorder otherwise);
 * on Linux an existing destination is replaced with one `renameat2(RENAME_EXCHANGE)`: there is no
   moment without a destination. Elsewhere (or on a file system without it) it falls back to two
   renames, old out then new in; a kill between them leaves `.NAME.old-PID` beside a missing NAME;
+* what is renamed into place gets the mode the user's umask gives a new file or folder, not the
+  0600 / 0700 of the temporary it was written as;
 * leftovers of a writer that died (`.NAME.tmp-PID-*`, `.NAME.old-PID`, the PID no longer running) are
   removed by the next write to the same destination;
 * a full disk (ENOSPC, EDQUOT, EFBIG, also when a library wrapped it) becomes one UserError line.
@@ -55,11 +62,47 @@ def atomic_dir(dest: Path) -> Iterator[Path]:
         _swap_into_place(tmp, dest)
     except BaseException as e:
         _remove(tmp)
-        full = _disk_full(e)
-        if full is not None:
-            raise UserError(f"no space left to write {dest} ({full.strerror or full}); {dest.name} was left as it was: "
-                            f"free some space and run again") from None
+        _raise_if_disk_full(e, dest)
         raise
+
+
+@contextmanager
+def atomic_file(dest: Path, *, durable: bool = True) -> Iterator[Path]:
+    """Yield a temporary path beside `dest` (an empty file); on success it replaces `dest`, on failure
+    it is removed and `dest` is left as it was.
+
+    durable: fsync the file before the rename and the folder after it; False for files that can be made
+    again (a cache entry checked on read), where the fsyncs would only cost time."""
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    remove_leftovers(dest)
+    fd, name = tempfile.mkstemp(prefix=f".{dest.name}.tmp-{os.getpid()}-", dir=dest.parent)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        os.chmod(tmp, user_mode())  # mkstemp's 0600 would hide the file from everyone else
+        if durable:
+            _fsync(tmp)
+        os.replace(tmp, dest)
+        if durable:
+            _fsync(dest.parent)
+    except BaseException as e:
+        _remove(tmp)
+        _raise_if_disk_full(e, dest)
+        raise
+
+
+def write_bytes(dest: Path, data: bytes | memoryview, *, durable: bool = True) -> None:
+    """`dest` holds `data` completely, or is left as it was."""
+    with atomic_file(dest, durable=durable) as tmp, open(tmp, "wb") as f:
+        f.write(data)
+
+
+def copy_file(src: Path, dest: Path, *, durable: bool = True) -> None:
+    """`dest` becomes a copy of `src` completely, or is left as it was."""
+    with atomic_file(dest, durable=durable) as tmp:
+        shutil.copyfile(src, tmp)
 
 
 def _share(tmp: Path) -> None:
@@ -167,6 +210,13 @@ def _remove(path: Path) -> None:
 _FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 # numpy's tofile (gguf-py's tensor writer) reports a short write without an errno
 _SHORT_WRITE = re.compile(r"\d+ requested and \d+ written")
+
+
+def _raise_if_disk_full(exc: BaseException, dest: Path) -> None:
+    full = _disk_full(exc)
+    if full is not None:
+        raise UserError(f"no space left to write {dest} ({full.strerror or full}); {dest.name} was left as it was: "
+                        f"free some space and run again") from None
 
 
 def _disk_full(exc: BaseException | None) -> OSError | None:

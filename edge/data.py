@@ -48,6 +48,7 @@ from typing import Any, Protocol, Sequence
 
 import torch
 
+from edgefinfer.atomic import write_bytes
 from edgefinfer.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -296,20 +297,6 @@ def _read_verified(path: Path, split: str) -> str | None:
     return data.decode("utf-8")
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    """Write to a temporary file beside `path`, then rename: readers never see half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(text.encode("utf-8"))  # bytes, so no newline translation on any platform
-        os.chmod(tmp, 0o644)  # mkstemp makes it 0600; the cache may be shared by several users
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _verify_split(split: str, text: str, origin: str) -> None:
     expected = _SPLIT_INFO[split]
     got = _sha256(text)
@@ -544,7 +531,7 @@ def _verify_and_write(splits: dict[str, str], origin: str) -> None:
     for split, text in splits.items():
         _verify_split(split, text, origin)
     for split, text in splits.items():
-        _write_atomic(_split_path(split), text)
+        write_bytes(_split_path(split), text.encode("utf-8"))  # bytes: no newline translation anywhere
 
 
 def _line_start_at_or_after(text: str, pos: int) -> int:

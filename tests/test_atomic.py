@@ -1,6 +1,7 @@
 """Writes that survive crashes (issue 17, item 5): `atomic_dir` fsyncs before it swaps, swaps an existing
 destination in one step, cleans what dead writers left, turns a full disk into one line; a build
-killed with SIGKILL leaves the old bundle or the new one, never a broken or missing one."""
+killed with SIGKILL leaves the old bundle or the new one, never a broken or missing one. `atomic_file`
+(issue 33 item 3) does the same for single files, with the mode the user's umask gives."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from edgefinfer import atomic
-from edgefinfer.atomic import atomic_dir, remove_leftovers
+from edgefinfer.atomic import atomic_dir, atomic_file, copy_file, remove_leftovers, write_bytes
 from edgefinfer.errors import UserError
 from tests.files_harness import build_old_bundle, disk_full_trial, kill9_trials, make_tiny_model_dir
 
@@ -118,3 +119,71 @@ def test_builds_killed_at_random_moments_leave_the_old_or_the_new_bundle(tmp_pat
     out = kill9_trials(tmp_path, *old_bundle, trials=2, seed=1)
     assert out["bad_destinations"] == 0, out
     assert out["kill9"]["leftovers_after_next_write"] == []
+
+
+# ---- files (issue 33 item 3): one writer for every file a crash must not tear -----------------------------
+
+@pytest.mark.parametrize("umask", [0o022, 0o027, 0o077])
+def test_a_written_file_gets_the_mode_the_umask_gives(tmp_path, umask):
+    old = os.umask(umask)
+    try:
+        write_bytes(tmp_path / "a.bin", b"data")
+        copy_file(tmp_path / "a.bin", tmp_path / "sub" / "b.bin")
+        with atomic_file(tmp_path / "c.bin") as tmp:  # a library writing by path (torch.save, GGUFWriter)
+            tmp.write_bytes(b"data")
+    finally:
+        os.umask(old)
+    for name in ("a.bin", "sub/b.bin", "c.bin"):
+        assert (tmp_path / name).read_bytes() == b"data"
+        assert (tmp_path / name).stat().st_mode & 0o777 == 0o666 & ~umask, name  # not mkstemp's 0600
+
+
+def test_a_failure_mid_write_leaves_the_old_file_and_no_temporary(tmp_path):
+    dest = tmp_path / "model.bin"
+    write_bytes(dest, b"old contents")
+    with pytest.raises(ZeroDivisionError):
+        with atomic_file(dest) as tmp:
+            tmp.write_bytes(b"half of the new")
+            1 / 0
+    assert dest.read_bytes() == b"old contents" and [p.name for p in tmp_path.iterdir()] == ["model.bin"]
+
+
+def test_a_file_write_on_a_full_disk_is_one_line_and_keeps_the_old_file(tmp_path):
+    dest = tmp_path / "model.bin"
+    write_bytes(dest, b"old")
+    with pytest.raises(UserError, match=r"^no space left to write .*model.bin was left as it was"):
+        with atomic_file(dest):
+            raise OSError(28, "No space left on device")
+    assert dest.read_bytes() == b"old" and [p.name for p in tmp_path.iterdir()] == ["model.bin"]
+
+
+def test_a_file_is_fsynced_before_the_rename_and_its_folder_after(tmp_path, monkeypatch):
+    events = []
+    monkeypatch.setattr(atomic, "_fsync", lambda p: events.append(("fsync", Path(p))))
+    real_replace = os.replace
+    monkeypatch.setattr(atomic.os, "replace", lambda a, b: (events.append(("rename", Path(b))), real_replace(a, b)))
+    write_bytes(tmp_path / "a.bin", b"x")
+    [(kind0, tmp), rename, folder] = events
+    assert kind0 == "fsync" and tmp.name.startswith(".a.bin.tmp-") and rename == ("rename", tmp_path / "a.bin")
+    assert folder == ("fsync", tmp_path)
+
+
+def test_a_temporary_file_of_a_dead_writer_is_removed_by_the_next_write(tmp_path):
+    stale = tmp_path / f".a.bin.tmp-{_dead_pid()}-abc"
+    stale.write_bytes(b"torn")
+    write_bytes(tmp_path / "a.bin", b"x")
+    assert [p.name for p in tmp_path.iterdir()] == ["a.bin"]
+
+
+def test_a_killed_file_write_leaves_the_old_file(tmp_path):
+    """SIGKILL in the middle of a large write: the destination is the old file, whole."""
+    dest = tmp_path / "big.bin"
+    write_bytes(dest, b"old" * 1000)
+    code = ("import os, signal, sys\nfrom pathlib import Path\nfrom edgefinfer.atomic import atomic_file\n"
+            f"with atomic_file(Path({str(dest)!r})) as tmp, open(tmp, 'wb') as f:\n"
+            "    f.write(b'new' * 100000); f.flush(); os.kill(os.getpid(), signal.SIGKILL)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True)
+    assert proc.returncode == -9
+    assert dest.read_bytes() == b"old" * 1000
+    write_bytes(dest, b"new")  # the next write clears what the killed one left
+    assert [p.name for p in tmp_path.iterdir()] == ["big.bin"]
