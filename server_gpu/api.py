@@ -423,10 +423,16 @@ async def _as_dict(work: Awaitable[None]) -> dict:
 class Shutdown:
     """Graceful shutdown: once `drain` starts, new requests get 503; the ones in flight may finish for
     `grace_s` seconds, then the engine ends what still runs (finish_reason "abort") and `drain` returns
-    when every response has been sent, so that uvicorn's own shutdown finds nothing left to cut."""
+    when every response has been sent, so that uvicorn's own shutdown finds nothing left to cut.
 
-    def __init__(self, engine: ServingEngine):
+    Every stream ends with its final event, whatever the grace and however slow the machine: the
+    engine's "abort" endings take one step to arrive, and a request that slips in after them (it was
+    being validated at the deadline) is ended at once (`ServingEngine.end_all`). Only a client that
+    stops reading can hold the exit, for at most `flush_s`."""
+
+    def __init__(self, engine: ServingEngine, flush_s: float = 30.0):
         self.engine = engine
+        self.flush_s = flush_s
         self.closed = False
         self.in_flight = 0  # HTTP requests inside the app (a stream counts until its last byte)
 
@@ -437,10 +443,9 @@ class Shutdown:
         while self.in_flight and loop.time() < deadline:
             await asyncio.sleep(poll_s)
         ended = self.in_flight
-        if ended:
-            self.engine.end_all()
+        self.engine.end_all()  # also when nothing runs: a request still being validated ends at once
         # What is left now are last chunks on their way out, and KV releases the engine does next step.
-        deadline = loop.time() + 5.0
+        deadline = loop.time() + self.flush_s
         while (self.in_flight or self.engine.snapshot()["kv_used"]) and loop.time() < deadline:
             await asyncio.sleep(poll_s)
         return {"in_flight": at_signal, "ended": ended, "unsent": self.in_flight,

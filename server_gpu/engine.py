@@ -61,6 +61,7 @@ class ServingEngine:
         self._thread: threading.Thread | None = None
         self._snapshot: dict[str, float] = {}
         self._spec_totals = [0, 0]  # drafted, accepted
+        self._ending = False  # after end_all: every request ends at once (the server is going away)
         self._publish()
 
     # ------------------------------------------------------------------ any thread
@@ -95,7 +96,8 @@ class ServingEngine:
 
     def end_all(self) -> None:
         """End every request now, its unfinished choices with finish_reason "abort" (a shutdown's grace
-        period is over): clients get a normal last chunk instead of a dropped connection."""
+        period is over): clients get a normal last chunk instead of a dropped connection. Requests
+        submitted afterwards end the same way at once."""
         self._inbox.put(("end_all",))
 
     def snapshot(self) -> dict[str, float]:
@@ -141,7 +143,10 @@ class ServingEngine:
                 _call_all([(item.sink, RequestOutput(item.request_id, [], True, item.num_prompt, 0, error=str(e)))])
                 return
             self._requests[item.request_id] = item
+            if self._ending:
+                self._deliver([self._end(item)])
         elif item[0] == "end_all":
+            self._ending = True
             self._deliver([self._end(request) for request in list(self._requests.values())])
         else:
             _, request_id = item

@@ -6,6 +6,10 @@ and `stop()` always shuts uvicorn and the engine down (use it as a context manag
 In the foreground, SIGTERM (or Ctrl-C) drains the server first (`api.Shutdown`): new requests get 503
 while the running ones have `grace_s` seconds to finish, then uvicorn shuts down and the process
 exits 0. A second signal skips what is left of the grace period.
+
+A request sent during the shutdown gets a 503 or, once the drain is over, a refused connection, never
+a connection closed without an answer: the server stops listening first, then answers what it had
+already accepted (`LINGER_S`), and only then closes its connections.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from fastapi import FastAPI
 from edgefinfer.errors import UserError
 
 log = logging.getLogger(__name__)
+
+LINGER_S = 0.5  # after the drain, with the listener closed: time for accepted requests to get their 503
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -79,6 +85,12 @@ class _DrainingServer(uvicorn.Server):
         log.info("drained: %d request(s) in flight at the signal, %d ended at the grace deadline "
                  "(finish_reason abort), %d response(s) unsent, %d KV block(s) in use",
                  r["in_flight"], r["ended"], r["unsent"], r["kv_used"])
+        # uvicorn's shutdown closes the listener and every connection at once: one accepted a moment
+        # before, whose request it had not read yet, would be closed unanswered. Stop accepting first
+        # (new connections are refused), answer what was accepted (503), then let uvicorn close.
+        for server in self.servers:
+            server.close()
+        await asyncio.sleep(LINGER_S)
         self.should_exit = True
 
 

@@ -248,10 +248,15 @@ _DRAINED = re.compile(r"drained: (\d+) request\(s\) in flight at the signal, (\d
 
 
 def sigterm_under_load(model: str, log: Path, streams: int = 32, max_tokens: int = 64, grace_s: float = 20.0,
-                       serve_args: tuple[str, ...] = ()) -> dict:
+                       serve_args: tuple[str, ...] = (), late_timeout_s: float = 60.0) -> dict:
     """Start `streams` streaming completions, SIGTERM the server once all of them have produced a token,
-    then send a new request. Returns how every stream ended (finish_reason, or "lost": an error or a cut
-    connection), the new request's status and error, the exit code, and the server's drain report."""
+    then, once the server has logged that it drains, send a new request. Returns how every stream ended
+    (finish_reason, or "lost": an error or a cut connection), how the new request was answered, the exit
+    code, and the server's drain report.
+
+    The new request races the drain's end (a drain with nothing left to wait for ends at once): it is
+    answered 503 while the server drains, refused once it stopped listening; "late_request" says which,
+    or names what else happened (a reset, or "hang": no answer within `late_timeout_s`)."""
     import openai
 
     port = free_port()
@@ -262,17 +267,18 @@ def sigterm_under_load(model: str, log: Path, streams: int = 32, max_tokens: int
         wait_healthy(url, proc)
         name = httpx.get(url + "/v1/models").json()["data"][0]["id"]
 
-        async def scenario() -> tuple[list[str], httpx.Response, float]:
+        async def scenario() -> tuple[list[str], tuple[str, httpx.Response | None], float]:
             client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120,
                                         http_client=httpx.AsyncClient(limits=httpx.Limits(max_connections=streams)))
             started = asyncio.Semaphore(0)
 
             async def one(i: int) -> str:
+                first = True
                 try:
                     stream = await client.completions.create(model=name, prompt=f"Stream {i}:", max_tokens=max_tokens,
                                                              temperature=0, stream=True,
                                                              extra_body={"ignore_eos": True})
-                    reason, first = None, True
+                    reason = None
                     async for chunk in stream:
                         if first:
                             started.release()
@@ -290,15 +296,15 @@ def sigterm_under_load(model: str, log: Path, streams: int = 32, max_tokens: int
                 await started.acquire()
             t0 = time.monotonic()
             proc.send_signal(signal.SIGTERM)
-            await asyncio.sleep(0.2)  # the signal is handled between two bytecodes of the server's loop
-            async with httpx.AsyncClient() as h:
-                refused = await h.post(url + "/v1/completions", json={"model": name, "prompt": "late", "max_tokens": 2})
+            # Not a fixed sleep: on a busy machine the signal may take longer to be handled than any sleep.
+            await _wait_for_log(log, "shutting down: new requests get 503", proc)
+            late = await _late_request(url, name, late_timeout_s)
             reasons = await asyncio.gather(*tasks)
             await client.close()
-            return reasons, refused, time.monotonic() - t0
+            return reasons, late, time.monotonic() - t0
 
-        reasons, refused, drain_s = asyncio.run(scenario())
-        exit_code = proc.wait(timeout=grace_s + 60)
+        reasons, (late, refused), drain_s = asyncio.run(scenario())
+        exit_code = proc.wait(timeout=grace_s + 120)
     finally:
         stop(proc)
     drained = _DRAINED.findall(log.read_text(errors="replace"))
@@ -306,8 +312,31 @@ def sigterm_under_load(model: str, log: Path, streams: int = 32, max_tokens: int
     ends = collections.Counter(r if not r.startswith("lost") else "lost" for r in reasons)
     return {"exit_code": exit_code, "streams": streams, "grace_s": grace_s, "finish_reasons": dict(ends),
             "lost": ends.get("lost", 0), "lost_errors": sorted({r for r in reasons if r.startswith("lost")}),
-            "new_request_status": refused.status_code, "new_request_body": refused.json(),
+            "late_request": late, "new_request_status": refused.status_code if refused is not None else None,
+            "new_request_body": refused.json() if refused is not None else {},
             "seconds_to_last_stream": round(drain_s, 2), "drain_report": report}
+
+
+async def _wait_for_log(log: Path, line: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while line not in log.read_text(errors="replace"):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"the server never logged {line!r}")
+        await asyncio.sleep(0.02)
+
+
+async def _late_request(url: str, name: str, timeout: float) -> tuple[str, httpx.Response | None]:
+    """A completion sent during the shutdown: ("503", response), ("refused", None), or what else happened."""
+    try:
+        async with httpx.AsyncClient(timeout=timeout) as h:
+            r = await h.post(url + "/v1/completions", json={"model": name, "prompt": "late", "max_tokens": 2})
+    except httpx.ConnectError:
+        return "refused", None
+    except httpx.TimeoutException:
+        return "hang", None
+    except httpx.HTTPError as e:
+        return f"reset: {type(e).__name__}", None
+    return str(r.status_code), r
 
 
 def kill9_restart(model: str, log: Path) -> dict:

@@ -92,15 +92,31 @@ def test_top_p_that_underflows_keeps_the_most_likely_token():
     assert logits_to_probs(logits, 1.0, None, 1e-300).tolist() == [[0.0, 1.0, 0.0, 0.0]]
 
 
-@pytest.mark.parametrize("grace_s, max_tokens, reason", [(20.0, 100, "length"), (1.0, 240, "abort")])
+# A grace the streams cannot outlast: the drain ends as soon as the last stream does, so a fast machine
+# pays nothing for it. Grace 0: every stream still running at the signal ends with "abort" at once.
+@pytest.mark.parametrize("grace_s, max_tokens, reason", [(600.0, 100, "length"), (0.0, 240, "abort")])
 def test_sigterm_under_32_streams_drains_and_exits_0(gguf, tmp_path, grace_s, max_tokens, reason):
-    # A long grace lets every stream finish; a short one ends them all with finish_reason "abort".
-    r = sigterm_under_load(gguf, tmp_path / "serve.log", streams=32, max_tokens=max_tokens, grace_s=grace_s,
+    log = tmp_path / "serve.log"
+    r = sigterm_under_load(gguf, log, streams=32, max_tokens=max_tokens, grace_s=grace_s,
                            serve_args=("--max-model-len", "256"))
-    assert r["exit_code"] == 0, (tmp_path / "serve.log").read_text()[-2000:]
-    assert r["finish_reasons"] == {reason: 32} and r["lost"] == 0
-    assert r["new_request_status"] == 503 and r["new_request_body"]["error"]["code"] == "server_shutting_down"
-    assert r["drain_report"] == {"in_flight": 32, "ended": 32 if reason == "abort" else 0, "unsent": 0, "kv_used": 0}
+    tail = log.read_text(errors="replace")[-2000:]
+    # What holds at any speed and any grace: the server exits 0, and every stream ends with a final
+    # event (finished, or "abort" at the grace deadline), never a dropped connection.
+    assert r["exit_code"] == 0, tail
+    assert r["lost"] == 0, (r["lost_errors"], tail)
+    assert sum(r["finish_reasons"].values()) == 32 and set(r["finish_reasons"]) <= {"length", "abort"}, r
+    report = r["drain_report"]
+    assert (report["unsent"], report["kv_used"]) == (0, 0) and 0 < report["in_flight"] <= 32, (report, tail)
+    # A request sent while the server drains gets a 503; sent once the drain is over (a drain with
+    # nothing left to wait for ends at once), its connection is refused. Never a hang or a reset.
+    assert r["late_request"] in ("503", "refused"), r
+    if r["late_request"] == "503":
+        assert r["new_request_body"]["error"]["code"] == "server_shutting_down"
+    aborted = r["finish_reasons"].get("abort", 0)
+    if reason == "length":
+        assert r["finish_reasons"] == {"length": 32} and report["ended"] == 0, r
+    else:  # 240 tokens cannot all be out before the signal is handled: the deadline ends them
+        assert report["ended"] >= aborted >= 1, r
 
 
 def test_sigkill_then_restart_on_the_same_port_serves_again(gguf, tmp_path):
