@@ -100,29 +100,44 @@ def pick_token(logits: np.ndarray, params: SamplingParams, context: Sequence[int
     return tok
 
 
+def check_fits(backend: Backend, prompt_len: int, max_new_tokens: int) -> None:
+    """Refuse, before the cache is touched, a prompt that a static cache cannot hold with its reply."""
+    if prompt_len == 0:
+        raise UserError("the prompt is empty: give at least one token")
+    if backend.window is None and prompt_len + max_new_tokens > backend.max_seq_len:
+        raise UserError(f"prompt ({prompt_len} tokens) + max_tokens ({max_new_tokens}) exceeds the "
+                        f"context of {backend.max_seq_len} tokens; shorten the prompt, lower max_tokens, "
+                        f"or use a sliding-window cache")
+
+
 def generate_tokens(backend: Backend, prompt_ids: Sequence[int], max_new_tokens: int,
                     params: SamplingParams = SamplingParams(), stop_ids: Sequence[int] = (),
                     speculation: Speculation | None = None, stats: GenerationStats | None = None,
-                    cancel: threading.Event | None = None, matcher: TokenMatcher | None = None) -> Iterator[int]:
+                    cancel: threading.Event | None = None, matcher: TokenMatcher | None = None,
+                    cached: int = 0) -> Iterator[int]:
     """Yield generated token ids (a stop id is yielded, then the loop ends). With a `matcher` every
-    token is drawn within its grammar."""
-    if not prompt_ids:
-        raise UserError("the prompt is empty: give at least one token")
-    if backend.window is None and len(prompt_ids) + max_new_tokens > backend.max_seq_len:
-        raise UserError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_new_tokens}) exceeds the "
-                        f"context of {backend.max_seq_len} tokens; shorten the prompt, lower max_tokens, "
-                        f"or use a sliding-window cache")
+    token is drawn within its grammar.
+
+    `cached`: how many leading prompt tokens the backend already holds at positions 0.. (a session's
+    kept prefix, `edgefinfer.runtime.session`); the backend is rolled back to them and only the rest
+    is prefilled. 0: a new sequence, the cache is reset."""
+    check_fits(backend, len(prompt_ids), max_new_tokens)
+    if not 0 <= cached < len(prompt_ids):
+        raise ValueError(f"cached={cached} must leave at least one of the {len(prompt_ids)} prompt tokens to feed")
     if speculation is not None and params.repetition_penalty != 1.0:
         raise UserError("speculative decoding does not support repetition_penalty != 1 yet; drop one of them")
     stats = stats if stats is not None else GenerationStats()
     stats.prompt_tokens = len(prompt_ids)
     generator = seeded_generator(params)
     stop = set(stop_ids)
-    backend.reset()
+    if cached:
+        backend.rollback(cached)
+    else:
+        backend.reset()
 
     t0 = time.perf_counter()
     context = list(prompt_ids)
-    tok = pick_token(backend.forward(context, 0)[-1], params, context, generator, matcher)
+    tok = pick_token(backend.forward(context[cached:], cached)[-1], params, context, generator, matcher)
     stats.prefill_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     produced = 0

@@ -16,7 +16,7 @@ import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import psutil
 
@@ -28,6 +28,9 @@ from edgefinfer.runtime.decode import Speculation, generate_tokens
 from edgefinfer.sampling import SamplingParams
 from edgefinfer.structured import Constraint, Grammar, GrammarCompiler
 from edgefinfer.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from edgefinfer.runtime.session import Session
 
 # What `response_format` accepts: OpenAI's dict, a Constraint, or an already compiled Grammar.
 ResponseFormat = dict | Constraint | Grammar | None
@@ -111,10 +114,12 @@ def open_backend(path: str | Path, kind: str | None = None, kv: KVOption = KVOpt
             backend = open_qnn(src.folder, src.entry.meta, threads=threads)
         else:
             backend = _open(src.path, src.backend, kv, threads, max_seq_len)
-        info = {"bundle": src.manifest.target, "artefact": src.entry.path, "eos_ids": eos}
+        info = {"bundle": src.manifest.target, "artefact": src.entry.path, "eos_ids": eos, "path": str(src.path),
+                "sha256": src.entry.sha256}
         return backend, Tokenizer.from_dir(src.folder), info
     backend = _open(src.path, src.backend, kv, threads, max_seq_len)
-    return backend, _tokenizer_for(src.path, src.backend), {"artefact": str(src.path), "eos_ids": eos}
+    return backend, _tokenizer_for(src.path, src.backend), {"artefact": str(src.path), "eos_ids": eos,
+                                                            "path": str(src.path)}
 
 
 def _open(path: Path, kind: str | None, kv: KVOption, threads: int | None, max_seq_len: int | None) -> Backend:
@@ -183,6 +188,9 @@ class Engine:
         self.info = info or {}
         self._lock = threading.Lock()  # one stream at a time owns the backend's cache
         self._grammars: GrammarCompiler | None = None
+        # Who filled the backend's cache last (a Session, or None for a stateless stream): a session's
+        # kept prefix is valid only while it is the owner.
+        self.cache_owner: object = None
 
     @classmethod
     def load(cls, path: str | Path, backend: str | None = None, kv: str | KVOption | None = None,
@@ -220,22 +228,46 @@ class Engine:
         """Yield text deltas; closing the iterator (or setting `cancel`) stops decoding at once.
         `response_format` constrains the output (OpenAI's {"type": "json_object"} or {"type":
         "json_schema", ...}, or a `Constraint`: a regex or a Lark/GBNF grammar)."""
-        grammar = self.grammar(response_format)
         ids = encode_prompt(self.tokenizer, prompt, chat)
+        yield from self.stream_ids(ids, max_tokens, params, stop, on_token, cancel, result, response_format)
+
+    def stream_ids(self, ids: list[int], max_tokens: int = 128, params: SamplingParams = SamplingParams(),
+                   stop: list[str] | None = None, on_token: Callable[[int], None] | None = None,
+                   cancel: threading.Event | None = None, result: Generation | None = None,
+                   response_format: ResponseFormat = None, cached: int = 0, owner: object = None) -> Iterator[str]:
+        """`stream` from prompt token ids. `cached` leading ids are already in the backend's cache (only
+        valid for the `owner` that last used it, see `cache_owner`; a session passes itself)."""
+        grammar = self.grammar(response_format)
         result = result if result is not None else Generation("", [], "length")
         if not self._lock.acquire(blocking=False):
             raise UserError("this engine is already generating; use one Engine per concurrent stream "
                             "or `edgefinfer serve` for many")
         try:
+            if self.cache_owner is not owner:
+                cached = 0  # someone else filled the cache since: nothing in it is the owner's
+            self.cache_owner = owner
             matcher = grammar.matcher() if grammar is not None else None
             tokens = generate_tokens(self.backend, ids, max_tokens, params, self.eos_ids, self.speculation,
-                                     result.stats, cancel, matcher)
+                                     result.stats, cancel, matcher, cached)
             yield from detokenize(self.tokenizer, tokens, self.eos_ids, stop, result, on_token)
             if matcher is not None and matcher.finished:
                 result.finish_reason = "stop"  # the output is complete, even if it took the last allowed token
         finally:
             self._lock.release()
             result.stats.peak_rss_mb = peak_rss_mb()
+
+    def session(self) -> "Session":
+        """A conversation that keeps its KV cache between turns (see `edgefinfer.runtime.session`)."""
+        from edgefinfer.runtime.session import Session
+
+        return Session(self)
+
+    def load_session(self, path: str | Path) -> "Session":
+        """A session saved by `Session.save`; a file for another artefact, backend, cache layout or
+        format version is refused with a UserError before the cache is touched."""
+        from edgefinfer.runtime.session import load_session
+
+        return load_session(self, path)
 
     def generate(self, prompt: str, **kw) -> Generation:
         result = Generation("", [], "length")

@@ -9,6 +9,7 @@ position before that count first removes the stale cells and rewinds.
 
 from __future__ import annotations
 
+import ctypes
 import os
 from pathlib import Path
 from typing import Sequence
@@ -64,3 +65,22 @@ class LlamaCppBackend:
 
     def reset(self) -> None:
         self.rollback(0)
+
+    def export_cache(self, length: int) -> dict[str, np.ndarray]:
+        """llama.cpp's own serialisation of the sequence's cells (`llama_state_seq_get_data`) for
+        positions < `length` (cells past it, left by rejected speculative tokens, are dropped first)."""
+        self.rollback(length)
+        return {"llama_state_seq": np.frombuffer(bytes(self.ctx.save(_SEQ)), np.uint8)}
+
+    def cache_shapes(self, length: int) -> None:
+        return None  # llama.cpp checks its own blob (and refuses one of another model or context)
+
+    def import_cache(self, arrays: dict[str, np.ndarray], length: int) -> None:
+        blob = arrays["llama_state_seq"]
+        try:
+            self.ctx.restore(_SEQ, (ctypes.c_uint8 * blob.size).from_buffer_copy(blob.tobytes()))
+        except RuntimeError as e:
+            self._n_tokens = 0
+            self.ctx.remove(_SEQ)
+            raise UserError(f"llama.cpp refused the saved cache ({e}); the file does not fit this model") from None
+        self._n_tokens = length

@@ -232,6 +232,29 @@ class OrtBackend:
         if self.windowed is not None:
             self.windowed.reset()
 
+    def export_cache(self, length: int) -> dict[str, np.ndarray] | None:
+        """The buffers' contents that hold positions < `length` (a saved session): a full buffer's first
+        `length` slots; a window buffer whole, and only when it describes exactly `length` tokens (after
+        rejected speculative tokens it holds more, and their evicted rows are not restorable from a
+        file: None, the session then saves its token ids only)."""
+        if self.windowed is None:
+            return {f"kv{i}": b[:, :, :length] for i, b in enumerate(self.kv_buffers)}
+        if self.windowed.length != length:
+            return None
+        return {f"kv{i}": b for i, b in enumerate(self.kv_buffers)}
+
+    def cache_shapes(self, length: int) -> dict[str, tuple[int, ...]]:
+        return {f"kv{i}": b.shape[:2] + ((length,) if self.windowed is None else b.shape[2:3]) + b.shape[3:]
+                for i, b in enumerate(self.kv_buffers)}
+
+    def import_cache(self, arrays: dict[str, np.ndarray], length: int) -> None:
+        """Put back what `export_cache(length)` returned, in place: the bound OrtValues share these buffers."""
+        for i, b in enumerate(self.kv_buffers):
+            b[:, :, :arrays[f"kv{i}"].shape[2]] = arrays[f"kv{i}"]
+        if self.windowed is not None:
+            self.windowed.reset()
+            self.windowed.after_step(length)
+
 
 class _StaticGraph:
     """One fixed-shape graph of a static model: its session and the shapes the host must feed."""

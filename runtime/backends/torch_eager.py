@@ -44,5 +44,27 @@ class TorchBackend:
     def rollback(self, length: int) -> None:
         pass  # positional: stale entries are overwritten or masked (see edgefinfer.cache)
 
+    def export_cache(self, length: int) -> dict[str, np.ndarray]:
+        """The cache contents that hold positions < `length` (a saved session), as float32 arrays:
+        a static cache's first `length` slots; a window cache's whole ring with its position table."""
+        if self.window is None:
+            return {n: b[:, :, :, :length].float().numpy() for n, b in (("k", self.cache.k), ("v", self.cache.v))}
+        return {"k": self.cache.k.float().numpy(), "v": self.cache.v.float().numpy(), "pos": self.cache.pos.numpy()}
+
+    def import_cache(self, arrays: dict[str, np.ndarray], length: int) -> None:
+        """Put back what `export_cache(length)` returned (shapes were checked against `cache_shapes`)."""
+        with torch.inference_mode():
+            for name, array in arrays.items():
+                buf = getattr(self.cache, name)
+                target = buf if self.window is not None else buf[:, :, :, :length]
+                target.copy_(torch.from_numpy(np.array(array)).to(buf.dtype))  # a copy: the file's bytes are read-only
+
+    def cache_shapes(self, length: int) -> dict[str, tuple[int, ...]]:
+        shapes = {n: tuple(getattr(self.cache, n).shape) for n in (("k", "v") if self.window is None
+                                                                     else ("k", "v", "pos"))}
+        if self.window is None:
+            shapes = {n: s[:3] + (length,) + s[4:] for n, s in shapes.items()}
+        return shapes
+
     def reset(self) -> None:
         self.cache.reset()

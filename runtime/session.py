@@ -1,0 +1,335 @@
+"""Conversations that keep their KV cache between turns, and their file on disk.
+
+    session = engine.session()
+    for delta in session.chat("Hi!"): ...           # the model's chat template over the whole history
+    for delta in session.chat("And then?"): ...     # prefills only the new turn
+    session.save("chat.efs"); session = engine.load_session("chat.efs")
+
+A turn renders the *whole* conversation to token ids, exactly as a stateless run of that history
+would, and keeps the longest common prefix of those ids with the ids the cache holds (`keep_length`):
+the cache is rolled back to it and only the rest is prefilled. Greedy replies are therefore those of
+a stateless run of the same history, and editing or regenerating the last turn re-prefills only from
+the first token that changed. `Session.stream(text)` does the same over plain text (the transcript so
+far + `text`).
+
+What each cache layout allows (the backends' own rollbacks are reused, see `backends.base`):
+- static caches (torch, ExecuTorch, ONNX Runtime, llama.cpp, the paged torch cache): any rollback is
+  exact (positional, or llama.cpp's `llama_memory_seq_rm`); a conversation that outgrows the context
+  is refused before the cache is touched (`decode.check_fits`), one line, the session as it was.
+- window (ring) caches (torch, ExecuTorch, ONNX Runtime `--kv window`): a turn that extends the cached
+  ids prefills only the new ones and the conversation streams past the context; a turn that would roll
+  back (an edit, a retokenized reply) re-prefills the whole history from position 0, because the ring
+  no longer holds what a rollback would uncover. Exact either way, only slower.
+
+The session file (`save` / `load_session`), version `FORMAT_VERSION`:
+
+    MAGIC, u64 little-endian header length, header (JSON), payload (the arrays, back to back)
+
+The header names the artefact's sha256, the backend, the cache layout and the cached token ids, so a
+file is refused (one UserError line, nothing touched) on another model, backend, layout or version,
+and when truncated or damaged (payload sha256). `state` says what the payload holds: "kv" (the cache
+contents: torch and ONNX Runtime tensors, llama.cpp's `llama_state_seq_get_data` blob) or "tokens"
+(none: ExecuTorch keeps its cache inside the program's mutable buffers, which its Python runtime does
+not expose; the paged cache and the QNN graphs likewise; the next turn then prefills the history).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+
+import numpy as np
+
+from edgefinfer.atomic import atomic_file
+from edgefinfer.errors import UserError
+from edgefinfer.generation import Generation, encode_prompt
+from edgefinfer.runtime.decode import check_fits
+from edgefinfer.sampling import SamplingParams
+from edgefinfer.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    import threading
+
+    from edgefinfer.runtime.backends.base import Backend
+    from edgefinfer.runtime.engine import Engine, ResponseFormat
+
+FORMAT_VERSION = 1
+MAGIC = b"EDGEFINFER-SESSION\n"
+_LEN = struct.Struct("<Q")
+
+
+@dataclass
+class TurnStats:
+    """What the last turn cost: how much of the prompt came from the cache."""
+
+    prompt_tokens: int = 0
+    reused_tokens: int = 0  # kept in the cache from earlier turns
+    prefilled_tokens: int = 0  # fed in this turn's prefill
+    generated_tokens: int = 0
+    ttft_s: float = 0.0
+    decode_tok_s: float = 0.0
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def keep_length(backend: Backend, cached: Sequence[int], ids: Sequence[int]) -> int:
+    """How many leading `ids` may stay in a cache that holds `cached` (see the module docstring)."""
+    keep = min(common_prefix(cached, ids), len(ids) - 1)  # the last id is always fed: its logits start the reply
+    if backend.window is not None and keep < len(cached):
+        return 0  # a ring cannot roll back in general: re-prefill from position 0
+    return keep
+
+
+def encode_messages(tokenizer: Tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """A conversation's ids through the chat template, as `encode_prompt(chat=True)` encodes one turn."""
+    return tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+
+
+class Session:
+    """One conversation over an Engine's backend. Not thread-safe (nor is the Engine's cache)."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.messages: list[dict[str, str]] = []  # chat(): the history, editable between turns
+        self.transcript = ""  # stream(): the text so far
+        self.cached: list[int] = []  # ids the backend holds at positions 0.. (while this session owns it)
+        self.last = TurnStats()
+
+    @property
+    def cached_tokens(self) -> int:
+        return len(self._valid_cache())
+
+    def _valid_cache(self) -> list[int]:
+        return self.cached if self.engine.cache_owner is self else []
+
+    def reset(self) -> None:
+        """Forget the conversation (the cache is overwritten by the next turn)."""
+        self.messages, self.transcript, self.cached, self.last = [], "", [], TurnStats()
+
+    # ---- turns ----
+    def chat(self, message: str, max_tokens: int = 128, **kw: Any) -> Iterator[str]:
+        """Stream the reply to a user message; it joins the history (a partial one too, when stopped)."""
+        history = [*self.messages, {"role": "user", "content": message}]
+
+        def commit(reply: str) -> None:
+            self.messages = [*history, {"role": "assistant", "content": reply}]
+
+        return self._turn(encode_messages(self.engine.tokenizer, history), commit, max_tokens, **kw)
+
+    def edit(self, message: str, max_tokens: int = 128, **kw: Any) -> Iterator[str]:
+        """Replace the last user message (and drop its reply): only the tokens from the edit on are prefilled."""
+        last = max((i for i, m in enumerate(self.messages) if m["role"] == "user"), default=None)
+        if last is None:
+            raise UserError("there is no user message to edit yet; send one with chat()")
+        kept = self.messages[:last]
+        history = [*kept, {"role": "user", "content": message}]
+
+        def commit(reply: str) -> None:
+            self.messages = [*history, {"role": "assistant", "content": reply}]
+
+        return self._turn(encode_messages(self.engine.tokenizer, history), commit, max_tokens, **kw)
+
+    def stream(self, text: str, max_tokens: int = 128, **kw: Any) -> Iterator[str]:
+        """Continue the plain-text transcript with `text` and stream the continuation (which joins it)."""
+        full = self.transcript + text
+
+        def commit(reply: str) -> None:
+            self.transcript = full + reply
+
+        return self._turn(encode_prompt(self.engine.tokenizer, full, False), commit, max_tokens, **kw)
+
+    def _turn(self, ids: list[int], commit: Callable[[str], None], max_tokens: int = 128,
+              params: SamplingParams = SamplingParams(), stop: list[str] | None = None,
+              on_token: Callable[[int], None] | None = None, cancel: threading.Event | None = None,
+              result: Generation | None = None, response_format: ResponseFormat = None) -> Iterator[str]:
+        backend = self.engine.backend
+        check_fits(backend, len(ids), max_tokens)  # before anything changes: a refused turn loses nothing
+        keep = keep_length(backend, self._valid_cache(), ids)
+        result = result if result is not None else Generation("", [], "length")
+        produced: list[int] = []
+
+        def seen(tok: int) -> None:
+            produced.append(tok)
+            if on_token is not None:
+                on_token(tok)
+
+        self.cached = ids[:keep]  # what survives the rollback, whatever happens next
+        clean = False
+        try:
+            yield from self.engine.stream_ids(ids, max_tokens, params, stop, seen, cancel, result, response_format,
+                                              cached=keep, owner=self)
+            clean = True
+        except GeneratorExit:  # the caller stopped the reply (Ctrl-C in `edgefinfer chat`): a clean stop
+            clean = True
+            raise
+        finally:
+            if produced:  # the cache holds the prompt and every produced token but the last (decode.py)
+                commit(result.text)
+                interrupted_ring = not clean and backend.window is not None
+                self.cached = [] if interrupted_ring else ids + produced[:-1]
+            elif backend.window is not None:
+                self.cached = []  # a failed prefill may have moved the ring
+            s = result.stats
+            self.last = TurnStats(len(ids), keep, len(ids) - keep, s.generated_tokens, s.prefill_s, s.decode_tok_s)
+
+    # ---- disk ----
+    def save(self, path: str | Path) -> Path:
+        """Write the session (history, cached ids, cache contents where the backend can export them)
+        atomically: a temporary file beside `path`, then a rename."""
+        backend = self.engine.backend
+        cached = self._valid_cache()
+        export = getattr(backend, "export_cache", None)
+        arrays = export(len(cached)) if cached and export is not None else None
+        header: dict[str, Any] = {
+            "format": "edgefinfer-session", "version": FORMAT_VERSION, **identity(self.engine),
+            "state": "kv" if arrays is not None else "tokens", "tokens": list(cached),
+            "messages": self.messages, "transcript": self.transcript, "arrays": [],
+        }
+        payload = bytearray()
+        for name, array in (arrays or {}).items():
+            data = np.ascontiguousarray(array)
+            header["arrays"].append({"name": name, "dtype": data.dtype.str, "shape": list(data.shape),
+                                     "nbytes": data.nbytes})
+            payload += data.tobytes()
+        header["payload_sha256"] = hashlib.sha256(payload).hexdigest()
+        head = json.dumps(header).encode()
+        path = Path(path)
+        try:
+            with atomic_file(path) as tmp, open(tmp, "wb") as f:
+                f.write(MAGIC + _LEN.pack(len(head)) + head)
+                f.write(payload)
+        except (IsADirectoryError, NotADirectoryError, PermissionError, FileNotFoundError) as e:
+            raise UserError(f"cannot write the session to {path}: {e.strerror}") from None
+        return path
+
+
+def identity(engine: Engine) -> dict[str, str]:
+    """What a session file must match to be loaded here: the artefact, the backend, the cache layout."""
+    if "sha256" not in engine.info:  # a bundle's manifest names it; a bare artefact is hashed once
+        engine.info["sha256"] = artefact_sha256(Path(engine.info["path"]))
+    return {"artefact_sha256": engine.info["sha256"], "backend": engine.backend.name,
+            "cache": cache_layout(engine.backend)}
+
+
+def artefact_sha256(path: Path) -> str:
+    """A file's sha256; a folder's: the sha256 of its files' names and sha256s (sorted)."""
+    from edgefinfer.bundle import sha256_file
+
+    if path.is_file():
+        return sha256_file(path)
+    h = hashlib.sha256()
+    for file in sorted(p for p in path.rglob("*") if p.is_file()):
+        h.update(f"{file.relative_to(path)}\0{sha256_file(file)}\n".encode())
+    return h.hexdigest()
+
+
+def cache_layout(backend: Backend) -> str:
+    """A one-line name of a backend's cache layout, equal for two backends whose caches can swap contents."""
+    parts = [type(backend).__name__, f"max_seq_len={backend.max_seq_len}", f"window={backend.window}"]
+    for name in ("num_sinks", "lookahead", "max_draft_tokens"):
+        if getattr(backend, name, None) is not None:
+            parts.append(f"{name}={getattr(backend, name)}")
+    cache = getattr(backend, "cache", None)
+    if cache is not None:  # the torch caches: their buffers' shape is the layout
+        parts.append(f"{type(cache).__name__}{tuple(cache.k.shape)}")
+    if getattr(backend, "kv_buffers", None):
+        parts.append(f"kv{tuple(backend.kv_buffers[0].shape)}x{len(backend.kv_buffers)}")
+    return " ".join(parts)
+
+
+def read_session_file(path: str | Path) -> tuple[dict[str, Any], bytes]:
+    """(header, payload) of a session file; a UserError naming what is wrong otherwise."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise UserError(f"no session file at {path}; save one with /save FILE (or Session.save)") from None
+    except OSError as e:
+        raise UserError(f"cannot read the session file {path}: {e.strerror}") from None
+    if not data.startswith(MAGIC):
+        raise UserError(f"{path} is not an edgefinfer session file (it does not start with {MAGIC[:-1].decode()})")
+    at = len(MAGIC) + _LEN.size
+    if len(data) < at:
+        raise UserError(f"the session file {path} is truncated ({len(data)} bytes); save the session again")
+    (head_len,) = _LEN.unpack_from(data, len(MAGIC))
+    if len(data) < at + head_len:
+        raise UserError(f"the session file {path} is truncated (its header is cut); save the session again")
+    try:
+        header = json.loads(data[at:at + head_len])
+        version = header["version"]
+    except (ValueError, KeyError, TypeError):
+        raise UserError(f"the session file {path} has a damaged header; save the session again") from None
+    if version != FORMAT_VERSION:
+        raise UserError(f"{path} is a version {version} session file; this edgefinfer reads version "
+                        f"{FORMAT_VERSION}: save the session again with this version")
+    payload = data[at + head_len:]
+    try:
+        expected = sum(int(a["nbytes"]) for a in header["arrays"])
+        digest = header["payload_sha256"]
+    except (KeyError, TypeError, ValueError):
+        raise UserError(f"the session file {path} has a damaged header; save the session again") from None
+    if len(payload) < expected:
+        raise UserError(f"the session file {path} is truncated ({len(payload)} of {expected} cache bytes); "
+                        "save the session again")
+    if len(payload) != expected or hashlib.sha256(payload).hexdigest() != digest:
+        raise UserError(f"the session file {path} is damaged (its cache does not match its checksum); "
+                        "save the session again")
+    return header, payload
+
+
+def load_session(engine: Engine, path: str | Path) -> Session:
+    """A Session from `Session.save`'s file, its cache restored into the engine's backend. Everything is
+    checked before the backend is touched: on a refusal any other session keeps its cache."""
+    header, payload = read_session_file(path)
+    here = identity(engine)
+    what = {"backend": "backend (", "artefact_sha256": "model (artefact sha256", "cache": "cache layout ("}
+    for key, name in what.items():
+        if header.get(key) != here[key]:
+            raise UserError(f"{path} was saved with another {name} {header.get(key)!r}, here {here[key]!r}); "
+                            "load it with the engine it was saved with")
+    try:
+        tokens = [int(t) for t in header["tokens"]]
+        messages = [{"role": str(m["role"]), "content": str(m["content"])} for m in header["messages"]]
+        transcript = str(header["transcript"])
+        state = header["state"]
+        arrays = _arrays(header["arrays"], payload) if state == "kv" else None
+    except (KeyError, TypeError, ValueError):
+        raise UserError(f"the session file {path} has a damaged header; save the session again") from None
+    backend = engine.backend
+    if arrays is not None:
+        shapes = backend.cache_shapes(len(tokens)) if hasattr(backend, "cache_shapes") else None
+        if shapes is not None and {n: a.shape for n, a in arrays.items()} != shapes:
+            raise UserError(f"{path} holds a cache of another shape than this backend's; load it with the "
+                            "engine it was saved with")
+    if tokens and (len(tokens) > backend.max_seq_len or max(tokens) >= backend.vocab_size or min(tokens) < 0):
+        raise UserError(f"the session file {path} holds token ids this model cannot take; save the session again")
+    session = Session(engine)
+    session.messages, session.transcript = messages, transcript
+    if arrays is not None and tokens:
+        with engine._lock:
+            engine.cache_owner = None  # if the import fails half-way, no session trusts the cache
+            backend.import_cache(arrays, len(tokens))
+            engine.cache_owner = session
+        session.cached = tokens
+    return session
+
+
+def _arrays(specs: list[dict[str, Any]], payload: bytes) -> dict[str, np.ndarray]:
+    out, at = {}, 0
+    for spec in specs:
+        dtype, shape, nbytes = np.dtype(spec["dtype"]), tuple(int(d) for d in spec["shape"]), int(spec["nbytes"])
+        if dtype.hasobject or int(np.prod(shape)) * dtype.itemsize != nbytes:
+            raise ValueError(spec)
+        out[str(spec["name"])] = np.frombuffer(payload, dtype, int(np.prod(shape)), at).reshape(shape)
+        at += nbytes
+    return out

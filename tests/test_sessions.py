@@ -1,0 +1,203 @@
+"""Sessions (`edgefinfer.runtime.session`): a multi-turn greedy conversation gives exactly the tokens of
+stateless runs of the same history on every backend and cache layout, while prefilling only what the
+cache lacks; edits re-prefill only from the first changed token; a session saved to disk continues
+with the same tokens; bad session files and over-long turns are refused in one line, nothing lost.
+
+One tiny float model (the ChatML tokenizer of tests.helpers) exported to every format, as in
+test_runtime_conformance; the ExecuTorch programs go through the export cache (`cache=True`), so a
+rerun does not lower them again."""
+
+import json
+
+import pytest
+
+from edgefinfer.checkpoint import save_model
+from edgefinfer.errors import UserError
+from edgefinfer.runtime.engine import Engine
+from edgefinfer.runtime.session import MAGIC, common_prefix, encode_messages
+from edgefinfer.structured import Constraint
+from tests.helpers import tiny_model, tiny_tokenizer
+
+CTX = 256
+WINDOW = dict(window=24, num_sinks=2, lookahead=8)
+TURNS = ["Hello there", "How are you today?", "Tell me a story about a cat."]
+STATIC = ["torch", "torch-paged", "executorch", "onnxruntime", "llamacpp"]
+WINDOWED = ["torch-window", "executorch-window", "onnxruntime-window"]
+
+
+@pytest.fixture(scope="module")
+def artefacts(tmp_path_factory):
+    from edgefinfer.compile.executorch_export import export_pte
+    from edgefinfer.compile.gguf_export import export_gguf
+    from edgefinfer.compile.onnx_export import export_onnx
+
+    root = tmp_path_factory.mktemp("sessions")
+    tok = tiny_tokenizer(320)
+    tok.eos_token = None  # random weights: replies run to max_tokens
+    model = tiny_model(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128,
+                       max_position_embeddings=CTX, eos_token_id=None)
+    save_model(model, root / "hf")
+    export_pte(model, root / "pte" / "model.pte", recipe="fp32", max_seq_len=CTX, progress=False)
+    export_pte(model, root / "ptew" / "model.pte", recipe="fp32", kv="window", progress=False, **WINDOW)
+    export_onnx(model, root / "onnx", max_seq_len=CTX)
+    export_onnx(model, root / "onnxw", kv="window", window=WINDOW["window"], lookahead=WINDOW["lookahead"])
+    (root / "gguf").mkdir()
+    export_gguf(model, tok, root / "gguf" / "model.gguf", "f32")
+    for sub in ("hf", "pte", "ptew", "onnx", "onnxw", "gguf"):
+        tok.save(root / sub)
+    return root
+
+
+def load(root, name: str) -> Engine:
+    """A fresh engine for a backend / cache layout name of STATIC + WINDOWED."""
+    kw = {"torch": ("hf", "torch", None), "torch-paged": ("hf", "torch", "paged:4"),
+          "torch-window": ("hf", "torch", f"window:{WINDOW['window']},sinks:{WINDOW['num_sinks']}"),
+          "executorch": ("pte/model.pte", None, None), "executorch-window": ("ptew/model.pte", None, None),
+          "onnxruntime": ("onnx", None, None), "onnxruntime-window": ("onnxw", None, None),
+          "llamacpp": ("gguf/model.gguf", None, None)}[name]
+    return Engine.load(root / kw[0], backend=kw[1], kv=kw[2], max_seq_len=None if "window" in name else CTX)
+
+
+def stateless(engine: Engine, messages, max_tokens: int, **kw) -> list[int]:
+    out = []
+    for _ in engine.stream_ids(encode_messages(engine.tokenizer, messages), max_tokens, on_token=out.append, **kw):
+        pass
+    return out
+
+
+def turn(session, message: str, max_tokens: int, method: str = "chat", **kw) -> list[int]:
+    out = []
+    for _ in getattr(session, method)(message, max_tokens, on_token=out.append, **kw):
+        pass
+    return out
+
+
+@pytest.mark.parametrize("name", STATIC + WINDOWED)
+def test_multi_turn_chat_equals_stateless_runs_and_prefills_only_the_new_tokens(artefacts, name):
+    engine, reference = load(artefacts, name), load(artefacts, name)
+    session = engine.session()
+    prompt_lengths = []
+    for i, (message, n) in enumerate(zip(TURNS, [1, 10, 10])):  # turn 1 stops at once: its prompt is all cached
+        got = turn(session, message, n)
+        assert got == stateless(reference, session.messages[:-1], n), f"turn {i + 1} differs from a stateless run"
+        ids = encode_messages(engine.tokenizer, session.messages[:-1])
+        assert session.last.prompt_tokens == len(ids)
+        assert session.last.reused_tokens + session.last.prefilled_tokens == len(ids)
+        prompt_lengths.append(len(ids))
+        if i == 1:  # turn 1 cached exactly its prompt: every cache keeps it (a ring too: it only grows)
+            assert session.last.reused_tokens == prompt_lengths[0]
+        if i == 2 and name in STATIC:  # and at least turn 2's prompt since
+            assert session.last.reused_tokens >= prompt_lengths[1]
+    assert session.cached_tokens == prompt_lengths[-1] + 9
+    if "window" in name:  # the conversation went past the ring: it streams on
+        assert prompt_lengths[-1] > WINDOW["window"] + WINDOW["lookahead"]
+
+
+@pytest.mark.parametrize("name", ["torch", "executorch", "onnxruntime", "llamacpp"])
+def test_editing_the_last_turn_prefills_only_from_the_edit(artefacts, name):
+    engine, reference = load(artefacts, name), load(artefacts, name)
+    session = engine.session()
+    turn(session, TURNS[0], 6)
+    turn(session, "Please write a long poem about the sea and its waves", 6)
+    before = encode_messages(engine.tokenizer, session.messages[:-1])
+    calls = []
+    forward = engine.backend.forward
+    engine.backend.forward = lambda tokens, start: calls.append((start, len(tokens))) or forward(tokens, start)
+    got = turn(session, "Please write a long poem about the moon", 6, method="edit")
+    after = encode_messages(engine.tokenizer, session.messages[:-1])
+    keep = common_prefix(before, after)
+    assert keep > len(after) // 2  # the edit is near the end
+    assert calls[0] == (keep, len(after) - keep)  # the prefill: only the edited suffix, at its position
+    assert session.last.prefilled_tokens == len(after) - keep
+    assert [m["content"] for m in session.messages if m["role"] == "user"] == [
+        TURNS[0], "Please write a long poem about the moon"]
+    assert got == stateless(reference, session.messages[:-1], 6)
+
+
+def test_a_turn_past_the_context_is_refused_and_the_session_keeps_its_cache(artefacts):
+    engine = load(artefacts, "onnxruntime")
+    session = engine.session()
+    turn(session, TURNS[0], 8)
+    messages, cached = list(session.messages), list(session.cached)
+    with pytest.raises(UserError, match=f"exceeds the context of {CTX} tokens"):
+        turn(session, TURNS[1], CTX)
+    assert session.messages == messages and session.cached == cached and session.cached_tokens == len(cached)
+    turn(session, TURNS[1], 8)  # the session goes on from its cache
+    assert session.last.reused_tokens >= len(encode_messages(engine.tokenizer, messages[:1]))
+
+
+@pytest.mark.parametrize("name", ["torch", "llamacpp"])
+def test_speculative_and_structured_output_inside_a_session(artefacts, name):
+    plain = load(artefacts, name).session()
+    path = artefacts / ("hf" if name == "torch" else "gguf/model.gguf")
+    fast = Engine.load(path, backend=name, max_seq_len=CTX, speculative="lookup:2,4").session()
+    regex = Constraint.regex("(ab|cd)+ [0-9]{3}")
+    for message in TURNS[:2]:
+        assert turn(fast, message, 10) == turn(plain, message, 10)
+    want = turn(plain, TURNS[2], 16, response_format=regex)  # a constrained turn in the same conversation
+    assert turn(fast, TURNS[2], 16, response_format=regex) == want
+    assert plain.engine.tokenizer.decode(want)[:2] in ("ab", "cd")
+    assert fast.engine.speculation.stats.proposed > 0
+    assert fast.last.reused_tokens > 0
+
+
+@pytest.mark.parametrize("name", STATIC + ["torch-window", "onnxruntime-window"])
+def test_a_saved_session_continues_with_the_live_sessions_tokens(artefacts, tmp_path, name):
+    live = load(artefacts, name).session()
+    turn(live, TURNS[0], 1)
+    turn(live, TURNS[1], 8)
+    file = live.save(tmp_path / "chat.efs")
+    header = _header(file)
+    assert header["backend"] == live.engine.backend.name and header["tokens"] == live.cached
+    want_state = "tokens" if name.startswith("executorch") or name == "torch-paged" else "kv"
+    assert header["state"] == want_state
+    restored = load(artefacts, name).load_session(file)
+    assert restored.messages == live.messages
+    assert turn(restored, TURNS[2], 8) == turn(live, TURNS[2], 8)
+    assert restored.last.reused_tokens == (live.last.reused_tokens if want_state == "kv" else 0)
+
+
+def _header(file) -> dict:
+    data = file.read_bytes()
+    n = int.from_bytes(data[len(MAGIC):len(MAGIC) + 8], "little")
+    return json.loads(data[len(MAGIC) + 8:len(MAGIC) + 8 + n])
+
+
+def test_bad_session_files_are_refused_in_one_line_and_the_session_is_left_as_it_was(artefacts, tmp_path):
+    engine = load(artefacts, "onnxruntime")
+    session = engine.session()
+    turn(session, TURNS[0], 1)
+    good = session.save(tmp_path / "good.efs")
+    data = good.read_bytes()
+    n = int.from_bytes(data[len(MAGIC):len(MAGIC) + 8], "little")
+    header = json.loads(data[len(MAGIC) + 8:len(MAGIC) + 8 + n])
+    def variant(name, **change):
+        head = json.dumps({**header, **change}).encode()
+        path = tmp_path / name
+        path.write_bytes(MAGIC + len(head).to_bytes(8, "little") + head + data[len(MAGIC) + 8 + n:])
+        return path
+
+    torch_file = load(artefacts, "torch").session()
+    turn(torch_file, TURNS[0], 1)
+    other_model = load(artefacts, "onnxruntime-window").session()  # another ONNX artefact
+    turn(other_model, TURNS[0], 1)
+    shorter = Engine.load(artefacts / "onnx", max_seq_len=CTX // 2).session()  # the same one, a smaller cache
+    turn(shorter, TURNS[0], 1)
+    cases = {
+        "truncated": ((tmp_path / "cut.efs").write_bytes(data[:-100]) and tmp_path / "cut.efs", "is truncated"),
+        "version": (variant("v2.efs", version=2), "version 2 session file; this edgefinfer reads version 1"),
+        "backend": (torch_file.save(tmp_path / "torch.efs"), "another backend"),
+        "model": (other_model.save(tmp_path / "other.efs"), "another model"),
+        "layout": (shorter.save(tmp_path / "short.efs"), "another cache layout"),
+        "missing": (tmp_path / "nothing.efs", "no session file at"),
+        "not a session": (artefacts / "onnx" / "tokenizer.json", "is not an edgefinfer session file"),
+        "damaged": (variant("bad.efs", payload_sha256="0" * 64), "is damaged"),
+    }
+    messages, cached = list(session.messages), list(session.cached)
+    for case, (path, message) in cases.items():
+        with pytest.raises(UserError, match=message) as e:
+            engine.load_session(path)
+        assert "\n" not in str(e.value), case
+        assert session.messages == messages and session.cached_tokens == len(cached), case
+    turn(session, TURNS[1], 4)
+    assert session.last.reused_tokens == len(cached)  # the refusals did not touch its cache
