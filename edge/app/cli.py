@@ -12,6 +12,7 @@ from pathlib import Path
 
 import click
 
+from edgefinfer.app.chat_command import chat
 from edgefinfer.app.distill_command import distill
 from edgefinfer.app.entry_point import run_command
 from edgefinfer.app.model_arg import DEFAULT_MODEL, resolve_model
@@ -259,7 +260,7 @@ def get_target_checked(name: str) -> None:
 
 
 # Commands that live in their own modules (they import only click and light modules at module level).
-for _command in (distill, prune, quantize, serve):
+for _command in (chat, distill, prune, quantize, serve):
     cli.add_command(_command)
 
 
