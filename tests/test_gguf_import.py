@@ -20,7 +20,7 @@ from edgefinfer import gguf_import
 from edgefinfer.checkpoint import load_model
 from edgefinfer.config import ModelConfig
 from edgefinfer.errors import UserError
-from edgefinfer.gguf_import import convert_gguf, import_gguf, unpermute_qk
+from edgefinfer.gguf_import import convert_gguf, import_gguf, source_gguf_type, unpermute_qk
 from edgefinfer.model import Transformer
 from edgefinfer.tokenizer import Tokenizer
 
@@ -103,6 +103,10 @@ def gguf_name(hf: str) -> str:
     return f"blk.{layer}.{part['.'.join(rest[:-1])]}.{rest[-1]}"
 
 
+# general.file_type as llama.cpp's converter records it for a file of one tensor type.
+FILE_TYPES = {Q.F32: gguf.LlamaFileType.ALL_F32, Q.Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0}
+
+
 def write_gguf(path: Path, model: Transformer, vocab: dict, qtype: Q = Q.F32, pre: str = "gpt-2",
                add_bos: bool | None = False, arch: str | None = None, tokenizer_model: str = "gpt2") -> Path:
     c = model.config
@@ -127,6 +131,8 @@ def write_gguf(path: Path, model: Transformer, vocab: dict, qtype: Q = Q.F32, pr
     if add_bos is not None:
         w.add_add_bos_token(add_bos)
     w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}")
+    if qtype in FILE_TYPES:
+        w.add_file_type(FILE_TYPES[qtype])
     for name, t in model.state_dict().items():
         if name == "lm_head.weight" and c.tie_word_embeddings:
             continue
@@ -314,9 +320,12 @@ def test_special_and_user_defined_tokens_stay_whole(tmp_path, vocab):
 def test_convert_gguf_writes_a_folder_that_loads_back(tmp_path, vocab, ids):
     path = write_gguf(tmp_path / "m.gguf", tiny_model(len(vocab["tokens"])), vocab, Q.Q8_0, add_bos=True)
     model, tok = import_gguf(path)
-    out = convert_gguf(path, tmp_path / "hf", extra_files={"source.json": "{}"})
+    out = convert_gguf(path, tmp_path / "hf", source={"name": "tiny"})
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "source.json",
                                                       "tokenizer.json", "tokenizer_config.json"]
+    # The GGUF's grid is recorded: a llama.cpp build re-quantizes onto it by default.
+    assert json.loads((out / "source.json").read_text()) == {"name": "tiny", "gguf_type": "q8_0"}
+    assert source_gguf_type(out) == "q8_0" and source_gguf_type(tmp_path) is None
     loaded, loaded_tok = load_model(out), Tokenizer.from_dir(out)
     np.testing.assert_array_equal(our_logits(loaded, ids), our_logits(model, ids))
     assert loaded_tok.encode(VARIED_TEXT, add_special_tokens=True) == tok.encode(VARIED_TEXT, add_special_tokens=True)

@@ -40,3 +40,17 @@ def test_mediatek_without_its_sdk_fails_fast_in_one_line():
     with pytest.raises(UserError, match="mtk_converter"):
         get_target("mediatek").check()
     assert time.perf_counter() - t0 < 30  # generous for a loaded box; the check itself is a find_spec
+
+
+@pytest.mark.parametrize("recorded, gpu_server", [({"gguf_type": "q4_k_m"}, "llamacpp-q4_k_m"),
+                                                  ({"gguf_type": "q4_1"}, "llamacpp-q4_1"),
+                                                  ({"gguf_type": "iq2_xs"}, "llamacpp-q4_1"),  # no such recipe
+                                                  ({}, "llamacpp-q4_1"), (None, "llamacpp-q4_1")])
+def test_a_llamacpp_build_keeps_the_grid_of_the_gguf_the_weights_came_from(tmp_path, recorded, gpu_server):
+    from edgefinfer.app.build import default_recipe
+
+    if recorded is not None:
+        (tmp_path / "source.json").write_text(json.dumps({"name": "m", **recorded}))
+    assert default_recipe(get_target("gpu-server"), tmp_path) == gpu_server
+    # Other formats keep their own recipe: the grid is llama.cpp's.
+    assert default_recipe(get_target("android"), tmp_path) == get_target("android").recipe

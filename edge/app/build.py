@@ -119,7 +119,7 @@ def build(opts: BuildOptions) -> Path:
     float_ppl = _perplexity_of(lambda ids: model(ids), test_ids, opts.eval_window, prefix) if test_ids else None
     done(f": {float_ppl:.3f}" if float_ppl else "")
 
-    recipe = opts.recipe or target.recipe
+    recipe = opts.recipe or default_recipe(target, folder)
     if prequantized is not None:  # `edgefinfer quantize` already chose: export those codes as they are
         if opts.recipe or opts.quality_budget is not None:
             raise UserError(f"{folder} is already quantized ({prequantized}); drop --recipe/--quality-budget "
@@ -249,6 +249,18 @@ def _perplexity_of(logits_fn, ids: list[int], window: int, prefix: list[int] = (
     from edgefinfer.evaluate import perplexity
 
     return perplexity(lambda t: torch.as_tensor(logits_fn(t)), ids, window=window, stride=window, prefix=prefix).ppl
+
+
+def default_recipe(target: Target, folder: Path) -> str:
+    """The target's recipe, except that a llama.cpp build of weights converted from a GGUF keeps that
+    GGUF's type: the weights already lie on its grid, so re-quantizing onto it loses almost nothing,
+    while another 4-bit grid adds a second rounding (bench/results/gemma3.json, `grids`: Gemma 3 270M,
+    from Q4_K_M, and SmolLM2-135M, from Q4_1, each built both ways)."""
+    from edgefinfer.compile.gguf_export import LLAMA_FTYPES
+    from edgefinfer.gguf_import import source_gguf_type
+
+    grid = source_gguf_type(folder) if target.format == "gguf" else None
+    return f"llamacpp-{grid}" if grid in LLAMA_FTYPES else target.recipe
 
 
 def quantize_for(model, target: Target, recipe: str, tokenizer):
