@@ -9,25 +9,27 @@ manager's decisions with `llama_memory_*` calls on llama sequence ids ("slots"),
 
 Two memory layouts (`kv_unified`):
 
-* False (default): one KV stream per slot, each `max_model_len` cells. Attention of a sequence
-  then runs over its own stream with kernels chosen by its own token count, so its logits do not
-  depend on its batch neighbours (`batch_invariant`): 16 concurrent greedy requests return
-  exactly what each returns alone. A cross-stream `seq_cp` copies the whole stream (llama.cpp only
-  copies full streams), then `seq_rm` cuts it to the shared prefix.
-* True: one pool of cells for all sequences; `seq_cp` shares cells (a prefix costs memory once),
-  and any mix of sequences fits as long as the total does. The paged-KV manager's blocks then are
-  the memory: its pool is the cell pool, and what it reports free is free in llama.cpp. Finished
-  requests' prompts stay as retained prefixes (`retain_prefixes`, on llama seq ids beyond the live
-  ones) until the manager needs their blocks, so a later request with the same system prompt
-  copies its cells instead of computing them. llama.cpp's kernels then see the whole
-  batch as one attention problem and pick their paths from its size, so a sequence's logits change
-  with its neighbours: not batch-invariant (reference model, 16 concurrent greedy requests: logprobs
-  off by up to 0.12, and 9 of 16 continuations diverged within 32 tokens; see docs/SERVER.md).
+* True (the default): one pool of cells for all sequences; `seq_cp` shares cells (a prefix costs
+  memory once), and any mix of sequences fits as long as the total does. The paged-KV manager's
+  blocks then are the memory: its pool is the cell pool, and what it reports free is free in
+  llama.cpp. Finished requests' prompts stay as retained prefixes (`retain_prefixes`, on llama seq
+  ids beyond the live ones) until the manager needs their blocks, so a later request with the same
+  system prompt, or the same prompt again, copies its cells instead of computing them (llama-server's
+  slots keep each finished prompt the same way). llama.cpp's kernels see the whole batch as one
+  attention problem and pick their paths from its size, so a sequence's logits change with its
+  neighbours: not batch-invariant (reference model, 16 concurrent greedy requests: logprobs off by up
+  to 0.12, and 9 of 16 continuations diverged within 32 tokens; see docs/SERVER.md).
+* False: one KV stream per slot, each `max_model_len` cells. Attention of a sequence then runs over
+  its own stream with kernels chosen by its own token count. A cross-stream `seq_cp` copies the whole
+  stream (llama.cpp only copies full streams), then `seq_rm` cuts it to the shared prefix.
 
-Batch invariance also needs each sequence's tokens to reach llama.cpp as the same runs: llama.cpp
-splits a multi-stream batch into micro-batches of equal tokens per sequence, so a 16-token chunk
-next to 1-token decodes would be cut into 1 + 15. `execute` therefore runs one `llama_decode` per
-group of sequences feeding the same number of tokens.
+`batch_invariant` (`edgefinfer serve --batch-invariant`, per-slot only) makes a request's logits
+independent of its batch neighbours: 16 concurrent greedy requests return exactly what each returns
+alone. That also needs each sequence's tokens to reach llama.cpp as the same runs: llama.cpp splits a
+multi-stream batch into micro-batches of equal tokens per sequence, so a 16-token chunk next to
+1-token decodes would be cut into 1 + 15. `execute` then runs one `llama_decode` per group of
+sequences feeding the same number of tokens; without the flag a step is one `llama_decode` (as
+llama-server's), several calls costing a new-prompt step at 16 requests several forwards.
 """
 
 from __future__ import annotations
@@ -132,13 +134,17 @@ class LlamaCppExecutor:
     sliding_window = None
 
     def __init__(self, gguf_path: str | Path, max_num_seqs: int = 32, max_model_len: int = 2048,
-                 max_batch_tokens: int = 512, block_size: int = 16, kv_unified: bool = False,
-                 kv_cells: int | None = None, flash_attn: bool = False, kv_dtype: str = "f32",
+                 max_batch_tokens: int = 512, block_size: int = 16, kv_unified: bool = True,
+                 kv_cells: int | None = None, flash_attn: bool = True, kv_dtype: str = "f16",
+                 batch_invariant: bool = False,
                  threads: int | None = None, gpu_layers: int = 0, num_blocks: int | None = None,
                  retain_prefixes: int | None = None, retain_tokens: int | None = None):
         self.model = LlamaModel(gguf_path, gpu_layers)
         max_model_len = min(max_model_len, self.model.n_ctx_train)
         self.model.check_window(max_model_len, "--max-model-len")
+        if batch_invariant and kv_unified:
+            raise UserError("a unified KV pool is not batch-invariant (its kernels see the whole batch); use "
+                            "--kv-layout per-slot with --batch-invariant")
         if kv_cells is not None and not kv_unified:
             raise UserError("--kv-cells sizes the unified pool; with --kv-layout per-slot each sequence gets "
                             "--max-model-len cells")
@@ -166,7 +172,7 @@ class LlamaCppExecutor:
                                 total_cells=kv_cells if kv_cells is not None or not kv_unified
                                 else max_num_seqs * max_model_len)
         self.kv_unified = kv_unified
-        self.batch_invariant = not kv_unified
+        self.batch_invariant = batch_invariant
         self.vocab_size = self.model.vocab_size
         self.max_num_seqs = max_num_seqs
         self.max_model_len = min(max_model_len, self.ctx.cells_per_slot)
@@ -203,10 +209,10 @@ class LlamaCppExecutor:
 
     def _calls(self, work: Sequence[SeqWork]) -> list[list[SeqWork]]:
         """Split a step into llama_decode calls of at most max_tokens tokens, never splitting one
-        sequence's tokens; per-stream layouts also group sequences by token count (see module doc)."""
+        sequence's tokens; batch-invariant mode also groups sequences by token count (see module doc)."""
         if len(work) == 1:  # one sequence (every step at concurrency 1): one call
             return [list(work)]
-        if self.kv_unified:
+        if not self.batch_invariant:
             groups = [list(work)]
         else:
             by_len = sorted(work, key=lambda w: (len(w.token_ids), self.storage.slot(w.seq_id)))

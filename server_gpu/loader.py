@@ -42,12 +42,18 @@ class ServeOptions:
     prefill_chunk: int = 256
     block_size: int = 16
     enable_prefix_caching: bool = True
-    kv_unified: bool = False  # llama.cpp: per-slot streams (batch-invariant); True: one pool the manager governs
+    # llama.cpp's KV settings; None picks the default (`kv_settings`): llama-server's f16 KV and flash
+    # attention in one unified pool, or, with batch_invariant, what `edgefinfer run` computes exactly.
+    kv_unified: bool | None = None  # True: one cell pool the manager governs; False: one stream per sequence
     kv_cells: int | None = None
     retain_prefixes: int | None = None  # None: 64 with kv_unified, else 0
     retain_tokens: int | None = None  # cap on the retained prefixes' tokens (None: DEFAULT_RETAIN_TOKENS)
-    flash_attn: bool = False
-    kv_dtype: str = "f32"
+    flash_attn: bool | None = None
+    kv_dtype: str | None = None
+    # Each request's tokens exactly as `edgefinfer run` and as alone, whatever runs beside it (vLLM's
+    # batch-invariant mode): per-slot streams, f32 KV, no flash attention, aligned prompt chunks, one
+    # llama_decode per token count. Slower at concurrency, so off by default.
+    batch_invariant: bool = False
     threads: int | None = None
     gpu_layers: int = 0
     device: str = "cpu"
@@ -65,6 +71,31 @@ class _Source:
     tokenizer_dir: Path | None  # a folder with tokenizer.json, or None to read the GGUF's
     eos_ids: tuple[int, ...] | None  # None: read them from the GGUF
     name: str
+
+
+@dataclass(frozen=True)
+class KVSettings:
+    unified: bool
+    dtype: str
+    flash_attn: bool
+
+
+def kv_settings(opts: ServeOptions) -> KVSettings:
+    """The llama.cpp KV settings `opts` asks for, its None fields filled with the defaults of its mode.
+
+    Default: f16 KV and flash attention as llama-server runs them, in the unified pool (prefixes shared
+    and kept after their request). --batch-invariant: per-slot streams, f32 KV, no flash attention, the
+    only settings under which a request's tokens equal `edgefinfer run`'s whatever its neighbours; a
+    flag that contradicts it is a usage error rather than a silently inexact server."""
+    if not opts.batch_invariant:
+        return KVSettings(True if opts.kv_unified is None else opts.kv_unified, opts.kv_dtype or "f16",
+                          True if opts.flash_attn is None else opts.flash_attn)
+    clash = [flag for flag, bad in (("--kv-layout unified", opts.kv_unified), ("--kv-dtype f16", opts.kv_dtype == "f16"),
+                                    ("--flash-attn", opts.flash_attn)) if bad]
+    if clash:
+        raise UserError(f"--batch-invariant computes exactly what `edgefinfer run` does (per-slot KV in f32, no "
+                        f"flash attention); drop {' and '.join(clash)}, or drop --batch-invariant")
+    return KVSettings(False, "f32", False)
 
 
 def build_engine(opts: ServeOptions) -> tuple[ServingEngine, str]:
@@ -129,11 +160,13 @@ def _llamacpp(src: _Source, opts: ServeOptions) -> tuple[Executor, Tokenizer, tu
     if src.kind != "gguf":
         raise UserError(f"the llama.cpp backend runs GGUF files; {src.path} is a HF folder: build a GGUF "
                         f"(`edgefinfer build --target gpu-server`) or use --backend torch")
+    kv = kv_settings(opts)
     tokenizer, stop_ids = _tokenizer(src)
     executor = LlamaCppExecutor(src.path, max_num_seqs=opts.max_num_seqs, max_model_len=opts.max_model_len,
                                 max_batch_tokens=opts.max_num_batched_tokens, block_size=opts.block_size,
-                                kv_unified=opts.kv_unified, kv_cells=opts.kv_cells, flash_attn=opts.flash_attn,
-                                kv_dtype=opts.kv_dtype, threads=opts.threads, gpu_layers=opts.gpu_layers,
+                                kv_unified=kv.unified, kv_cells=opts.kv_cells, flash_attn=kv.flash_attn,
+                                kv_dtype=kv.dtype, batch_invariant=opts.batch_invariant,
+                                threads=opts.threads, gpu_layers=opts.gpu_layers,
                                 num_blocks=opts.kv_blocks, retain_prefixes=opts.retain_prefixes,
                                 retain_tokens=opts.retain_tokens)
     if tokenizer.vocab_size > executor.vocab_size:
@@ -161,8 +194,11 @@ def _torch(src: _Source, opts: ServeOptions) -> tuple[Executor, Tokenizer, tuple
         from edgefinfer.checkpoint import load_model
 
         model, tokenizer = load_model(src.path), Tokenizer.from_dir(src.path)
-    kv_dtype = {"f32": torch.float32, "f16": torch.float16}.get(opts.kv_dtype)
-    if kv_dtype is None:
+    if opts.batch_invariant:
+        raise UserError("--batch-invariant needs the llama.cpp backend (torch pads batches, and padding changes "
+                        "its kernels' rounding); serve a GGUF, or drop --batch-invariant")
+    kv_dtype = {"f32": torch.float32, "f16": torch.float16, None: None}.get(opts.kv_dtype, "bad")
+    if kv_dtype == "bad":
         raise UserError(f"unknown KV dtype {opts.kv_dtype!r}: use f32 or f16")
     executor = TorchExecutor(model, max_num_seqs=opts.max_num_seqs, max_model_len=opts.max_model_len,
                              block_size=opts.block_size, num_blocks=opts.kv_blocks, device=opts.device,

@@ -9,16 +9,20 @@ Each step (`schedule` -> executor -> `update`):
    preempted, is restored exactly.
 2. Sequences still prefilling get their next prompt chunk while the step's token budget lasts
    (chunked prefill: a long prompt takes several steps, and decoding goes on meanwhile).
-3. Waiting sequences are admitted strictly in arrival order (FCFS: the head blocks the rest) while
-   there are free sequence slots, token budget and KV blocks. A prompt whose leading whole blocks a
-   running sequence is still computing waits for them (`_prefix_in_flight`): sixteen chats that
-   arrive together with one system prompt compute it once, not sixteen times.
+3. Waiting sequences are admitted in arrival order while there are free sequence slots, token
+   budget and KV blocks (the first that lacks one stops admission: a long prompt is not overtaken
+   forever by short ones). A prompt whose leading whole blocks a running sequence is still
+   computing waits for them (`_prefix_in_flight`): sixteen chats that arrive together with one
+   system prompt compute it once, not sixteen times. Such a prompt steps aside rather than holding
+   the queue, and it waits only for blocks it will really take: requests behind it that share
+   nothing with it are not starved behind the shared prefix.
 
-Chunks are aligned: a prompt is split at multiples of `prefill_chunk` counted from position 0, and
-a chunk runs whole or waits. So how a sequence's tokens are grouped into forwards depends only on
-the sequence, never on its neighbours. With a batch-invariant executor (llama.cpp with one KV stream
-per sequence) a request's logits are then exactly those it gets alone. For the same reason a
-prefix-cache hit is cut back to what the lending sequence computed as aligned prompt chunks.
+Chunks are aligned: a prompt is split at multiples of `prefill_chunk` counted from position 0. With
+a batch-invariant executor (`edgefinfer serve --batch-invariant`: llama.cpp with one KV stream per
+sequence) a chunk also runs whole or waits, so how a sequence's tokens are grouped into forwards
+depends only on the sequence, never on its neighbours, and its logits are exactly those it gets
+alone. For the same reason a prefix-cache hit is then cut back to what the lending sequence computed
+as aligned prompt chunks. Otherwise a chunk takes what the step's budget has left.
 
 Priority is arrival order (request arrival, then choice index); cancellation frees a request's
 blocks at once. KV operations decided between forwards (frees, forks, rollbacks) ride on the next
@@ -163,7 +167,13 @@ class Scheduler:
             if seq.seq_id not in decoding_ids and self._prefilling(seq) and (chunk := self._chunk(seq, budget)):
                 budget -= chunk
                 scheduled.append(self._prefill_work(seq, chunk))
-        while self.waiting and budget > 0 and (seq := self._admit(ops, budget)) is not None:
+        for seq in list(self.waiting):
+            if budget <= 0:
+                break
+            if self.manager.enable_prefix_caching and self._prefix_in_flight(seq):
+                continue  # its prefix is being computed: it takes it when done, and lets the others pass
+            if not self._admit(seq, ops, budget):
+                break
             chunk = self._chunk(seq, budget)
             budget -= chunk
             scheduled.append(self._prefill_work(seq, chunk))
@@ -246,24 +256,21 @@ class Scheduler:
         work = SeqWork(seq.seq_id, tuple(tokens), start, num_logits, self.manager.block_table(seq.seq_id))
         return _Scheduled(seq, work, draft, prefill)
 
-    def _admit(self, ops: list[KVOp], budget: int) -> Seq | None:
-        """Admit the head of the queue, or None if it must wait (FCFS: then everyone waits)."""
-        seq = self.waiting[0]
+    def _admit(self, seq: Seq, ops: list[KVOp], budget: int) -> bool:
+        """Admit a waiting sequence; False if it must wait (and with it those behind it)."""
         request = seq.request
         slots = 1 if request.forked else request.params.n
         if self._slots_in_use() + slots > self.config.max_num_seqs:
-            return None
-        if self.manager.enable_prefix_caching and self._prefix_in_flight(seq):
-            return None
+            return False
         if self.batch_invariant and min(self.config.prefill_chunk, len(seq.tokens)) > budget:
-            return None  # its first chunk (at most this long) cannot run whole in this step
+            return False  # its first chunk (at most this long) cannot run whole in this step
         plan = self.manager.allocate(seq.seq_id, seq.tokens)
         if isinstance(plan, NoRoom):
             if plan.num_blocks_needed > self.manager.num_blocks:
-                self.waiting.popleft()
+                self.waiting.remove(seq)
                 self._fail(seq, f"the request needs {plan.num_blocks_needed} KV blocks but the server has "
                                 f"{self.manager.num_blocks}; shorten the prompt or max_tokens")
-            return None
+            return False
         if seq.swapped is not None and plan.num_cached_tokens <= seq.swapped:
             ops.append(SwapOp(seq.seq_id, "in"))  # its KV exactly as it was, instead of any prefix copy
             start, seq.swapped = seq.swapped, None
@@ -275,8 +282,8 @@ class Scheduler:
             ops.append(plan)
             start = self._aligned_start(seq, plan, ops)
             if start is None:
-                return None
-        self.waiting.popleft()
+                return False
+        self.waiting.remove(seq)
         seq.num_computed = start
         if seq.chunked_len == 0:
             seq.chunked_len = len(seq.tokens)
@@ -285,11 +292,14 @@ class Scheduler:
         if self.speculation is not None and seq.proposer is None:
             seq.proposer = self.speculation.make_proposer(seq.seq_id)
             seq.k_state = initial_state(self.speculation, self.cost.cost(len(self.running)), self.acceptance.rate)
-        return seq
+        return True
 
     def _prefix_in_flight(self, seq: Seq) -> bool:
         """Whether a running sequence is still computing whole blocks that `seq`'s prompt starts with
-        (beyond what is already computed): admitting `seq` now would compute them a second time."""
+        (beyond what is already computed): admitting `seq` now would compute them a second time.
+        Batch-invariant mode takes only a lender's whole aligned chunks (`_aligned_start`): waiting for
+        blocks past them would serialise the chats behind one system prompt, each recomputing the same
+        tail while the next one waits for it."""
         bs = self.manager.block_size
         tokens = seq.tokens
         for other in self.running:
@@ -297,6 +307,9 @@ class Scheduler:
                 continue
             # The blocks `seq` could take from `other` once computed: shared whole blocks, last token excluded.
             limit = min(len(tokens) - 1, len(other.tokens)) // bs * bs
+            if self.batch_invariant:
+                c = self.config.prefill_chunk
+                limit = min(limit, other.chunked_len or len(other.tokens)) // c * c // bs * bs
             n = 0
             while n < limit and tokens[n:n + bs] == other.tokens[n:n + bs]:
                 n += bs

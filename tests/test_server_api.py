@@ -31,8 +31,8 @@ PROMPTS = [f"Write one sentence about the number {i}:" for i in range(10)] + [
 
 @pytest.fixture(scope="module")
 def server():
-    # The batch-invariant layout: these tests assert exact equality with the runtime and with requests alone.
-    engine, name = build_engine(ServeOptions(MODEL, max_num_seqs=16, max_model_len=512, threads=1, kv_unified=False))
+    # --batch-invariant: these tests assert exact equality with the runtime and with requests alone.
+    engine, name = build_engine(ServeOptions(MODEL, max_num_seqs=16, max_model_len=512, threads=1, batch_invariant=True))
     with BackgroundServer(create_app(engine, name)) as srv:
         srv.engine, srv.name = engine, name
         yield srv
@@ -200,7 +200,7 @@ def test_client_disconnect_aborts_and_frees_blocks(server):
 def test_prefix_sharing_between_live_sequences_is_exact():
     # A shares 32 prompt tokens (two 16-token chunks) with B while both run: B copies them from A's
     # KV stream (seq_cp of the stream, then seq_rm) and must still answer exactly as alone.
-    engine, _ = build_engine(ServeOptions(MODEL, max_num_seqs=4, max_model_len=256, threads=1, kv_unified=False,
+    engine, _ = build_engine(ServeOptions(MODEL, max_num_seqs=4, max_model_len=256, threads=1, batch_invariant=True,
                                           prefill_chunk=16,
                                           max_num_batched_tokens=64))
     tok = engine.tokenizer
@@ -236,10 +236,46 @@ def test_prefix_sharing_between_live_sequences_is_exact():
         engine.executor.close()
 
 
+def test_batch_invariant_chats_behind_one_system_prompt_run_together_and_exactly():
+    # --batch-invariant reuses a lender's whole aligned chunks only: 32 of the 48 shared tokens here
+    # (chunks of 32, blocks of 16). b and c both recompute tokens 32..48; c used to wait for b's copy
+    # of them, which it could not use either, so each chat behind one system prompt waited for the one
+    # before it (issue 32: TTFT p99 29.7 s for 16 chats). Now b and c start in the same step, and
+    # every answer still equals its prompt's answer alone.
+    from edgefinfer.server_gpu.request import Request
+
+    engine, _ = build_engine(ServeOptions(MODEL, max_num_seqs=4, max_model_len=128, threads=1, batch_invariant=True,
+                                          prefill_chunk=32, max_num_batched_tokens=96))
+    tok, sched = engine.tokenizer, engine.scheduler
+    system = tok.encode("You are a patient assistant who answers in one short sentence. " * 6)[:48]
+    prompts = {k: system + tok.encode(q) for k, q in (("a", " Name a color."), ("b", " Name a fruit."),
+                                                       ("c", " Name a tree."))}
+
+    def serve(batch: dict[str, list[int]]) -> tuple[dict[str, list[int]], list[set[str]]]:
+        out, running = {rid: [] for rid in batch}, []
+        for rid, p in batch.items():
+            sched.add(Request(f"{rid}-{time.monotonic_ns()}", p, GenerationParams(max_tokens=8, ignore_eos=True), None))
+        while sched.has_work():
+            plan = sched.schedule()
+            running.append({s.request.request_id.split("-")[0] for s in sched.running})  # this step's
+            for o in sched.update(plan, engine.executor.execute(plan))[0]:
+                out[o.request_id.split("-")[0]] += [t for d in o.deltas for t in d.token_ids]
+        return out, running
+
+    try:
+        together, running = serve(prompts)
+        assert running[0] == {"a"}  # b and c wait for a's first chunk, which they take
+        assert running[1] == {"a", "b", "c"}
+        assert engine.manager.stats().prefix_hits == 2 * 32 and all(len(t) == 8 for t in together.values())
+        assert together == {rid: serve({rid: p})[0][rid] for rid, p in prompts.items()}
+    finally:
+        engine.executor.close()
+
+
 def test_swap_preemption_restores_sequences_exactly():
     # 8 blocks of 16 tokens hold two of these four sequences (3 blocks each): the scheduler must
     # preempt; swapped out and back (llama_state_seq_get/set_data), every answer stays exactly alone's.
-    engine, _ = build_engine(ServeOptions(MODEL, max_num_seqs=4, max_model_len=128, threads=1, kv_unified=False,
+    engine, _ = build_engine(ServeOptions(MODEL, max_num_seqs=4, max_model_len=128, threads=1, batch_invariant=True,
                                           kv_blocks=8,
                                           preemption="swap"))
     prompts = [engine.tokenizer.encode(p) for p in PROMPTS[:4]]
@@ -399,3 +435,24 @@ def test_api_key_is_required_when_set():
         assert allowed.status_code == 200 and allowed.json()["usage"]["completion_tokens"] == 2
         assert httpx.get(srv.url + "/health").status_code == 200  # probes need no key
     assert json.loads(json.dumps(allowed.json()))["object"] == "text_completion"
+
+
+@pytest.mark.parametrize("flags, named", [(["--kv-layout", "unified"], "--kv-layout unified"),
+                                          (["--kv-dtype", "f16", "--flash-attn"], "--kv-dtype f16 and --flash-attn")])
+def test_batch_invariant_refuses_settings_that_would_make_it_inexact(capsys, flags, named):
+    from edgefinfer.app.entry_point import run_command
+    from edgefinfer.app.serve_command import serve
+
+    assert run_command(serve, [MODEL, "--batch-invariant", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: --batch-invariant computes exactly what `edgefinfer run` does (per-slot KV in f32, no "
+                   f"flash attention); drop {named}, or drop --batch-invariant\n")
+
+
+def test_defaults_are_llama_servers_and_the_exact_mode_is_a_flag():
+    from edgefinfer.server_gpu.loader import KVSettings, kv_settings
+
+    assert kv_settings(ServeOptions(MODEL)) == KVSettings(unified=True, dtype="f16", flash_attn=True)
+    assert kv_settings(ServeOptions(MODEL, batch_invariant=True)) == KVSettings(unified=False, dtype="f32",
+                                                                                flash_attn=False)
+    assert kv_settings(ServeOptions(MODEL, kv_unified=False, flash_attn=False)) == KVSettings(False, "f16", False)

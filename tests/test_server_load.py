@@ -21,10 +21,10 @@ NUM_REQUESTS, CONCURRENCY = 500, 32
 
 
 def test_500_requests_at_concurrency_32_with_disconnects():
-    # Per-slot (batch-invariant) layout: every answer must equal the prompt's answer alone. In the
-    # unified layout, 14 of 450 three-token greedy answers differed from alone's in one run.
+    # --batch-invariant: every answer must equal the prompt's answer alone. In the default unified
+    # layout, 14 of 450 three-token greedy answers differed from alone's in one run.
     engine, name = build_engine(ServeOptions("smollm2-135m", max_num_seqs=CONCURRENCY, max_model_len=256,
-                                             threads=1, kv_unified=False))
+                                             threads=1, batch_invariant=True))
     with BackgroundServer(create_app(engine, name)) as srv:
         r = load_with_disconnects(srv.url, name, NUM_REQUESTS, CONCURRENCY)
         assert r["lost"] == 0, r["lost_examples"]

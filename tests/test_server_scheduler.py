@@ -178,6 +178,47 @@ def test_requests_arriving_together_compute_a_shared_prefix_once(model, tokenize
     assert computed == 24 + 4 * 2 and engine.manager.stats().prefix_hits == 3 * 24
 
 
+def step_by_hand(engine: ServingEngine, prompts: dict[str, list[int]], max_tokens: int,
+                 check) -> dict[str, list[int]]:
+    """Add `prompts` in order and run the scheduler step by step in this thread; `check(step, scheduler)`
+    runs after each step. Returns each request's tokens."""
+    sched, out = engine.scheduler, {rid: [] for rid in prompts}
+    for rid, p in prompts.items():
+        sched.add(Request(rid, p, GenerationParams(max_tokens=max_tokens), None))
+    step = 0
+    while sched.has_work():
+        plan = sched.schedule()
+        outputs, _ = sched.update(plan, engine.executor.execute(plan))
+        for o in outputs:
+            assert o.error is None, o.error
+            out[o.request_id] += [t for d in o.deltas for t in d.token_ids]
+        step += 1
+        check(step, sched)
+    return out
+
+
+def running_ids(sched) -> set[str]:
+    return {s.request.request_id for s in sched.running}
+
+
+def test_a_request_waiting_for_a_shared_prefix_lets_unrelated_ones_pass(model, tokenizer):
+    # b waits for the 32 tokens a is computing (it will take them), but c, behind b and sharing nothing,
+    # is not held behind it: it starts in the first step (strict FCFS kept it waiting for a's prompt).
+    engine = make_engine(model, tokenizer)
+    prefix, c = prompts_of([32, 6], seed=3)
+    prompts = {"a": prefix + [1, 2], "b": prefix + [3, 4], "c": c}
+    seen = []
+
+    def check(step, sched):
+        seen.append(running_ids(sched))
+        if step == 1:
+            assert seen[0] == {"a", "c"} and [s.request.request_id for s in sched.waiting] == ["b"]
+
+    out = step_by_hand(engine, prompts, 3, check)
+    assert out == {rid: eager(model, p, 3) for rid, p in prompts.items()}
+    assert engine.manager.stats().prefix_hits >= 32  # b still took a's prefix
+
+
 def test_speculative_prompt_lookup_is_lossless(model, tokenizer):
     spec = SpeculationConfig(lambda seq_id: PromptLookupProposer(max_ngram=3), k_max=4, adaptive=False)
     engine = make_engine(model, tokenizer, speculation=spec)

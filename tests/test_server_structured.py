@@ -45,7 +45,7 @@ def server():
     from edgefinfer.server_gpu.launch import BackgroundServer
     from edgefinfer.server_gpu.loader import ServeOptions, build_engine
 
-    engine, name = build_engine(ServeOptions(MODEL, max_num_seqs=4, max_model_len=1024, threads=2, kv_unified=False))
+    engine, name = build_engine(ServeOptions(MODEL, max_num_seqs=4, max_model_len=1024, threads=2, batch_invariant=True))
     with BackgroundServer(create_app(engine, name)) as srv:
         srv.engine, srv.name = engine, name
         yield srv

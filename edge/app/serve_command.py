@@ -30,12 +30,11 @@ from edgefinfer.app.entry_point import run_command
               help="Prompt chunk size; chunks start at multiples of it.")
 @click.option("--block-size", default=16, show_default=True, type=click.IntRange(1), help="Paged-KV block size.")
 @click.option("--no-prefix-caching", is_flag=True, help="Do not reuse computed prompt prefixes.")
-@click.option("--kv-layout", type=click.Choice(["per-slot", "unified"]), default="per-slot", show_default=True,
-              help="llama.cpp: 'per-slot' reserves --max-model-len cells per sequence and makes batched results "
-                   "equal each request alone (batch-invariant); 'unified' is one cell pool that the paged-KV manager "
-                   "governs (prefixes stored once and kept after their request, admission by real free memory: "
-                   "32x the sequences at a fixed KV budget, 2.7x faster first tokens for chats sharing a system "
-                   "prompt, but slower elsewhere on CPU, see docs/SERVER.md).")
+@click.option("--kv-layout", type=click.Choice(["unified", "per-slot"]), default=None,
+              help="llama.cpp: 'unified' (default) is one cell pool that the paged-KV manager governs: prefixes "
+                   "stored once and kept after their request (a repeated prompt or a shared system prompt is not "
+                   "computed again), admission by real free memory. 'per-slot' reserves --max-model-len cells per "
+                   "sequence (the layout --batch-invariant needs). See docs/SERVER.md.")
 @click.option("--kv-cells", type=click.IntRange(16), default=None,
               help="Cells of the unified pool (default: --max-num-seqs x --max-model-len).")
 @click.option("--retain-prefixes", type=click.IntRange(0), default=None,
@@ -48,12 +47,15 @@ from edgefinfer.app.entry_point import run_command
 @click.option("--preemption", type=click.Choice(["recompute", "swap"]), default="recompute", show_default=True,
               help="When KV blocks run out: recompute the victim later, or park its KV in host memory (llama.cpp "
                    "with --kv-layout per-slot; restores it exactly).")
-@click.option("--kv-dtype", type=click.Choice(["f32", "f16"]), default="f32", show_default=True,
-              help="KV cache precision (f32 matches `edgefinfer run` exactly; f16 is llama.cpp's default and "
-                   "half the KV memory).")
-@click.option("--flash-attn", is_flag=True,
-              help="llama.cpp flash attention (llama-server's default on CPU; 37% more throughput at 16 concurrent "
-                   "requests in bench/server.py, another summation order, so tokens may differ from `edgefinfer run`).")
+@click.option("--kv-dtype", type=click.Choice(["f16", "f32"]), default=None,
+              help="KV cache precision (default f16, llama.cpp's default and half the memory of f32).")
+@click.option("--flash-attn/--no-flash-attn", default=None,
+              help="llama.cpp flash attention (default on, as llama-server's `auto` turns it on; "
+                   "--no-flash-attn for the plain attention kernels).")
+@click.option("--batch-invariant", is_flag=True,
+              help="Exactly the tokens of `edgefinfer run` for every request, whatever runs beside it (per-slot "
+                   "KV in f32, no flash attention, aligned prompt chunks, one forward per token count; vLLM's "
+                   "batch-invariant mode). Slower under concurrency.")
 @click.option("--gpu-layers", default=0, show_default=True, type=click.IntRange(0),
               help="llama.cpp layers offloaded to the GPU (CUDA build; 999 = all).")
 @click.option("--device", default="cpu", show_default=True, help="torch backend device (cpu, cuda).")
@@ -74,7 +76,8 @@ from edgefinfer.app.entry_point import run_command
 def serve(model: str, backend: str | None, host: str, port: int, max_num_seqs: int, max_model_len: int,
           max_num_batched_tokens: int, prefill_chunk: int, block_size: int, no_prefix_caching: bool,
           kv_layout: str, kv_cells: int | None, retain_prefixes: int | None,
-          retain_tokens: int | None, preemption: str, kv_dtype: str, flash_attn: bool, gpu_layers: int, device: str,
+          retain_tokens: int | None, preemption: str, kv_dtype: str | None, flash_attn: bool | None,
+          batch_invariant: bool, gpu_layers: int, device: str,
           threads: int | None, speculative: str | None, fixed_k: bool, served_model_name: str | None,
           api_key: str | None, max_body_bytes: int, shutdown_grace_s: float, log_level: str) -> None:
     """Serve MODEL (a .gguf, a bundle, a HF folder, or a shipped model name) with an OpenAI-compatible API."""
@@ -86,7 +89,9 @@ def serve(model: str, backend: str | None, host: str, port: int, max_num_seqs: i
     opts = ServeOptions(model=model, backend=backend, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                         max_num_batched_tokens=max(max_num_batched_tokens, max_num_seqs),
                         prefill_chunk=prefill_chunk, block_size=block_size,
-                        enable_prefix_caching=not no_prefix_caching, kv_unified=kv_layout == "unified", kv_cells=kv_cells,
+                        enable_prefix_caching=not no_prefix_caching, kv_cells=kv_cells,
+                        kv_unified=None if kv_layout is None else kv_layout == "unified",
+                        batch_invariant=batch_invariant,
                         retain_prefixes=retain_prefixes, retain_tokens=retain_tokens,
                         flash_attn=flash_attn, kv_dtype=kv_dtype, threads=threads, gpu_layers=gpu_layers,
                         device=device, speculative=speculative, adaptive_speculation=not fixed_k,
