@@ -23,9 +23,9 @@ The program carries the constant methods ExecuTorch's `TextLLMRunner` reads (`ge
 `enable_dynamic_shape`, `use_sdpa_with_kv_cache`) and ours (`edgefinfer_*`: cache layout, window,
 sinks, whether every position's logits are returned), so `ExecuTorchBackend` needs no side file.
 
-Caching (`et_cache`): a finished .pte is stored under `$EDGEFINFER_CACHE/executorch/<key>.pte`, the
-key hashing the model's tensors and config, the options, the tool versions and the exporter's
-source; a later export with the same key copies it instead of lowering again.
+Caching (`artefact_cache`): a finished .pte is stored under `$EDGEFINFER_CACHE/artefacts/executorch/<key>/`,
+the key hashing the model's tensors and config, the options, the tool versions and the exporter's
+source (`CACHE_SOURCES`); a later export with the same key copies it instead of lowering again.
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ from torch import nn
 
 from edgefinfer.artefact import ArtefactSpec, KVCache, write_spec
 from edgefinfer.compile.et_attention import EtRingCache, EtStaticCache, ExportableLM, swap_attention
-from edgefinfer.compile.et_cache import copy_atomic, default_store, export_key, lookup, store_program, write_atomic
+from edgefinfer.atomic import write_bytes
+from edgefinfer.compile.artefact_cache import ArtefactCache, content_key
 from edgefinfer.compile.et_quant import (QUANTIZED_SCHEMES, SCHEMES, check_xnnpack_layout, is_quantized,
                                          quantize_for_xnnpack, scheme_of)
 from edgefinfer.compile.vendor_sdks import require_sdk
@@ -64,6 +65,10 @@ NEUROPILOT_PLATFORMS = ("mt6989", "mt6991", "mt6993")  # what ExecuTorch 1.5.1's
 # MediaTek's own LLM export passes these to its Neuron compiler (gno: graph optimisations).
 NEUROPILOT_COMPILE_OPTIONS = (("gno", b"LTS"), ("gno-exp", b""), ("gno-non-4d-tiling", b""))
 
+# The exporter modules whose source is part of the cache key: editing them invalidates old programs.
+CACHE_SOURCES = tuple(Path(__file__).with_name(n) for n in ("executorch_export.py", "et_attention.py", "et_quant.py",
+                                                             "fusion.py"))
+PROGRAM = "model.pte"  # the program's name inside a cache entry
 # Kernel libraries a .pte from this exporter may need registered before it is loaded.
 RUNTIME_KERNEL_MODULES = ("executorch.kernels.quantized", "executorch.extension.llm.custom_ops.custom_ops")
 
@@ -114,12 +119,12 @@ def export_pte(model: Transformer, out_path: str | Path, *, recipe: Recipe = "fp
 
     with _stage("hash", say, stages):
         key = export_key(model, opts)
-    store = Path(cache_dir) if cache_dir is not None else default_store()
-    if cache and (hit := lookup(store, key)) is not None:
-        copy_atomic(hit[0], out_path)
-        meta = dict(hit[1], cached=True, original_build_s=hit[1]["build_s"],
+    store = ArtefactCache(cache_dir)
+    if cache and (hit := store.get("executorch", key)) is not None:
+        store.restore(hit, {PROGRAM: out_path})
+        meta = dict(hit.meta, cached=True, original_build_s=hit.meta["build_s"],
                     build_s=round(time.perf_counter() - t0, 2), path=str(out_path))
-        say(f"[executorch] cache hit {key[:12]}: copied {hit[0]} ({meta['size_bytes'] / 2**20:.1f} MiB)")
+        say(f"[executorch] cache hit {key[:12]}: copied {hit.files[PROGRAM]} ({meta['size_bytes'] / 2**20:.1f} MiB)")
         return meta
 
     with _stage(f"quantize {opts['scheme']}", say, stages):
@@ -137,7 +142,7 @@ def export_pte(model: Transformer, out_path: str | Path, *, recipe: Recipe = "fp
     with _stage("to_executorch", say, stages):
         program = _to_executorch(edge)
     with _stage("write", say, stages):
-        write_atomic(out_path, program.buffer)
+        write_bytes(out_path, program.buffer)
 
     meta = {
         **write_spec(spec, "manifest"),  # format, recipe, kv, inputs, outputs
@@ -158,9 +163,14 @@ def export_pte(model: Transformer, out_path: str | Path, *, recipe: Recipe = "fp
         "path": str(out_path),
     }
     if cache:
-        store_program(store, key, out_path, meta)
+        store.put("executorch", key, {PROGRAM: out_path}, meta)
     say(f"[executorch] wrote {out_path} ({meta['size_bytes'] / 2**20:.2f} MiB) in {meta['build_s']:.1f}s")
     return meta
+
+
+def export_key(model: Transformer, opts: dict[str, Any]) -> str:
+    """The program's key in the artefact cache: the model, the resolved options, the tools, our source."""
+    return content_key("executorch", model, opts, CACHE_SOURCES)
 
 
 def artefact_spec(model: Transformer, opts: dict[str, Any]) -> ArtefactSpec:

@@ -58,6 +58,7 @@ from torch import nn
 
 from edgefinfer.artefact import ArtefactSpec, KVCache, write_spec
 from edgefinfer.checkpoint import TOKENIZER_FILES
+from edgefinfer.compile.artefact_cache import cached_export
 from edgefinfer.compile.onnx_graph import MS_DOMAIN, GraphBuilder, ir_dtype, save_model
 from edgefinfer.compile.onnx_weights import (EmbeddingSpec, FloatEmbedding, FloatLinear, LinearSpec, NBitsLinear,
                                              QuantTable, concat_linears, embedding_spec, linear_spec, shares_codes,
@@ -82,6 +83,12 @@ GENAI_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3"
 
 # ---- public API -----------------------------------------------------------------------------------
 
+# The modules whose source is part of the artefact cache's key (weights="int4" quantizes with compile/quant).
+CACHE_SOURCES = (Path(__file__), Path(__file__).with_name("onnx_graph.py"), Path(__file__).with_name("onnx_weights.py"),
+                 *sorted(Path(__file__).with_name("quant").glob("*.py")))
+
+
+@cached_export("onnx", CACHE_SOURCES, bypass=("tokenizer_dir",))  # the tokenizer files are not in the key
 def export_onnx(model: Transformer, out_dir: str | Path, *, weights: Weights | None = None, block_size: int = 32,
                 symmetric: bool = True, embedding: Literal["float", "int8", "int4"] | None = None,
                 kv: KVLayout = "static", window: int | None = None, lookahead: int | None = None,

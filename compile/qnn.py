@@ -35,8 +35,10 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from edgefinfer.artefact import ONNX_GRAPHS, read_spec
+from edgefinfer.compile.artefact_cache import cached_export
 from edgefinfer.compile.onnx_graph import read_metadata
 from edgefinfer.compile.onnx_static import export_static_decode
+from edgefinfer import ort_ep
 from edgefinfer.errors import UserError
 from edgefinfer.model import Transformer
 from edgefinfer.ort_ep import qnn_context_session, require_qnn  # noqa: F401 (re-exported)
@@ -174,6 +176,12 @@ def compile_context(qdq_path: Path, ctx_path: Path, soc: Soc) -> list[str]:
 
 # ---- the pipeline --------------------------------------------------------------------------------------
 
+# The modules whose source is part of the artefact cache's key (the graphs, the quantizer, the compiler's options).
+CACHE_SOURCES = tuple(Path(__file__).with_name(n) for n in ("qnn.py", "onnx_static.py", "onnx_export.py", "onnx_graph.py",
+                                                             "onnx_weights.py")) + (Path(ort_ep.__file__),)
+
+
+@cached_export("qnn", CACHE_SOURCES)
 def build_qnn(model: Transformer, out_dir: str | Path, *, soc: str = "sm8650", context: int = 1024, chunk: int = 64,
               scheme: str = "a16w8", calibration: Sequence[Sequence[int]] | None = None,
               max_seq_len: int | None = None, keep_float: bool = False,

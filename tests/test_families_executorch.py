@@ -60,7 +60,7 @@ class Programs:
     def __init__(self, tokenizer, tmp_path_factory):
         self.tokenizer = tokenizer
         self.tmp = tmp_path_factory
-        self.store = tmp_path_factory.mktemp("et-cache")  # private: a developer's cache never turns lowering into copies
+        self.store = None  # the shared artefact cache: each program is lowered once per machine (see its key)
         self._models: dict[str, torch.nn.Module] = {}
         self._ptes: dict[tuple, tuple] = {}
 

@@ -8,7 +8,6 @@ import importlib.util
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -100,14 +99,3 @@ def test_gpu_server_build_hides_llama_cpp_quantizer_lines_unless_verbose(tmp_pat
         shown = [line for line in (proc.stderr + proc.stdout).splitlines() if any(n in line for n in llama_lines)]
         assert bool(shown) == verbose, shown[:3]
         assert "[build 4/5] compile gguf" in proc.stderr
-
-
-def test_atomic_writes_get_the_user_mode(tmp_path):
-    """The ExecuTorch cache's writers go through mkstemp (0600); what they leave must be readable."""
-    from edgefinfer.compile.et_cache import copy_atomic, write_atomic
-
-    write_atomic(tmp_path / "a.pte", b"program")
-    copy_atomic(tmp_path / "a.pte", tmp_path / "sub" / "b.pte")
-    for path in (tmp_path / "a.pte", tmp_path / "sub" / "b.pte"):
-        assert path.read_bytes() == b"program" and path.stat().st_mode & 0o777 == _user_mode()
-    assert not [p for p in Path(tmp_path).rglob(".*")]  # no temporaries left behind

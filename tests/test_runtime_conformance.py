@@ -32,7 +32,7 @@ def artefacts(tmp_path_factory):
                        eos_token_id=None)
     save_model(model, root / "hf")
     tok.save(root / "hf")
-    export_pte(model, root / "pte" / "model.pte", recipe="fp32", max_seq_len=128, progress=False, cache=False)
+    export_pte(model, root / "pte" / "model.pte", recipe="fp32", max_seq_len=128, progress=False)
     export_onnx(model, root / "onnx", max_seq_len=128)
     (root / "gguf").mkdir()
     export_gguf(model, tok, root / "gguf" / "model.gguf", "f32")
@@ -140,7 +140,7 @@ def test_window_cache_streams_ten_windows_at_flat_memory(tmp_path, backend):
     window = 32
     if backend == "executorch":
         export_pte(model, tmp_path / "model.pte", recipe="fp32", kv="window", window=window, num_sinks=4,
-                   lookahead=8, progress=False, cache=False)
+                   lookahead=8, progress=False)
         path = tmp_path / "model.pte"
     else:
         export_onnx(model, tmp_path, kv="window", window=window, lookahead=8)

@@ -150,7 +150,7 @@ def build(opts: BuildOptions) -> Path:
             t_build = time.perf_counter()
             art_files, meta = compile_artefact(target, quantized, tokenizer, recipe, writer.tmp, opts)
             build_s = time.perf_counter() - t_build
-            done()
+            done(" (reused the artefact cache)" if meta.get("cached") else "")
             done = log.step(5, n_steps, "evaluate the artefact with its runtime")
             figures = evaluate_artefact(target, writer.tmp / art_files[0], test_ids, float_ppl, opts, prefix) \
                 if target.runs_here and test_ids else {}
