@@ -47,7 +47,7 @@ from edgefinfer.gguf_import import (_CONTROL, _PRE_SPLITS, _USER_DEFINED, FUSED_
                                     GEMMA3_SWA_PERIOD, PERMUTED_ARCHS, ROPE_SCALING_KEY, SMOLLM3_NO_ROPE_STEP,
                                     layer_tensor_names, llama3_rope_freqs)
 from edgefinfer.model import Transformer
-from edgefinfer.tokenizer import Tokenizer
+from edgefinfer.tokenizer import Tokenizer, prepends_space, sentencepiece_style
 
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 # llama.cpp ftypes reached by re-quantizing an F32 file with llama_model_quantize (its own rounding:
@@ -206,21 +206,6 @@ def pre_tokenizer_name(tokenizer: Tokenizer) -> str:
                     f"supports {', '.join(sorted(_PRE_SPLITS))}")
 
 
-def _normalizers(raw: dict) -> list[dict]:
-    norm = raw.get("normalizer") or {}
-    return norm.get("normalizers", []) if norm.get("type") == "Sequence" else [norm]
-
-
-def _sentencepiece_style(raw: dict) -> bool:
-    """A BPE that writes spaces as "▁" and falls back to bytes (what `edgefinfer.gguf_spm` builds)."""
-    return bool(raw["model"].get("byte_fallback")) and any(
-        n.get("type") == "Replace" and n.get("content") == "\u2581" for n in _normalizers(raw))
-
-
-def _prepends_space(raw: dict) -> bool:
-    return any(n.get("type") == "Prepend" and n.get("prepend") == "\u2581" for n in _normalizers(raw))
-
-
 class GGUFExporter:
     def __init__(self, path: str | Path, arch: str | None = None):
         """`arch`: llama.cpp's architecture; None takes the one of the config given to add_config."""
@@ -324,7 +309,7 @@ class GGUFExporter:
         raw = json.loads(tokenizer.backend.to_str())
         if raw["model"]["type"] != "BPE":
             raise UserError("GGUF export supports byte-level BPE and SentencePiece-style BPE tokenizers only")
-        if _sentencepiece_style(raw):
+        if sentencepiece_style(raw):
             return self._add_spm_tokenizer(tokenizer, raw)
         vocab: dict[str, int] = tokenizer.backend.get_vocab(with_added_tokens=True)
         size = max(self.config.vocab_size, max(vocab.values()) + 1)
@@ -386,7 +371,7 @@ class GGUFExporter:
         w.add_token_list(tokens)
         w.add_token_scores(scores)
         w.add_token_types([int(t) for t in types])
-        w.add_add_space_prefix(_prepends_space(raw))
+        w.add_add_space_prefix(prepends_space(raw))
         if unk in vocab:
             w.add_unk_token_id(vocab[unk])
         return self._finish_tokenizer(tokenizer)

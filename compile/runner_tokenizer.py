@@ -102,6 +102,19 @@ def runner_tokenizer(tokenizer_json: dict[str, Any], dialect: Dialect, extra_tex
 RUNNER_NAMES = {"executorch": "ExecuTorch's runner", "onnxruntime-genai": "onnxruntime-genai"}
 
 
+def runner_tokenizer_class(tokenizer_json: dict[str, Any], dialect: Dialect) -> str | None:
+    """The tokenizer_class to ship for `dialect`'s runner; None: the default (PreTrainedTokenizerFast).
+
+    onnxruntime-extensions takes its SentencePiece path for a BPE whose decoder turns "▁" back into
+    spaces, and there, under any class but Gemma's, splits a numeral from the space before it: Gemma
+    3's ' ½' became '▁', '½' instead of '▁½' (and ' ①', ' ²', ' ٣' alike), measured with
+    onnxruntime-genai 0.18. As "GemmaTokenizer" it merges them as SentencePiece does. Only the ids
+    on the finished bundle (`check_runner`) say whether that is exact for a given vocabulary."""
+    from edgefinfer.tokenizer import sentencepiece_style
+
+    return "GemmaTokenizer" if dialect == "onnxruntime-genai" and sentencepiece_style(tokenizer_json) else None
+
+
 def check_runner(original: dict[str, Any], rewritten: dict[str, Any], encoders: dict[str, Callable[[str], list[int]]],
                  extra_texts: Iterable[str] = ()) -> None:
     """UserError naming the tokenizer's features if any encoder gives other ids than the original."""

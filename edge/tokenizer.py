@@ -20,12 +20,16 @@ from edgefinfer.model_files import MAX_TOKENIZER_BYTES, check_file_size, read_js
 
 class Tokenizer:
     def __init__(self, backend: HFTokenizer, bos_token: str | None = None, eos_token: str | None = None,
-                 chat_template: str | None = None, add_bos_token: bool | None = None):
+                 chat_template: str | None = None, add_bos_token: bool | None = None,
+                 tokenizer_class: str = "PreTrainedTokenizerFast"):
         self.backend = backend
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.chat_template = chat_template
         self.add_bos_token = add_bos_token
+        # Written to tokenizer_config.json; only a device runtime's tokenizer reads it (onnxruntime-genai
+        # picks code paths by it, edgefinfer.compile.runner_tokenizer), so a loaded folder's is not kept.
+        self.tokenizer_class = tokenizer_class
 
     # ---- loading and saving -----------------------------------------------------------------------
     @classmethod
@@ -55,17 +59,17 @@ class Tokenizer:
         return cls(backend, _token_text(cfg.get("bos_token")), _token_text(cfg.get("eos_token")), template,
                    cfg.get("add_bos_token"))
 
-    def with_backend_json(self, tokenizer_json: dict[str, Any]) -> "Tokenizer":
+    def with_backend_json(self, tokenizer_json: dict[str, Any], tokenizer_class: str | None = None) -> "Tokenizer":
         """The same special tokens and chat template over another tokenizer.json (e.g. one rewritten
-        into the forms a device runtime's tokenizer implements)."""
+        into the forms a device runtime's tokenizer implements), under `tokenizer_class` if given."""
         return Tokenizer(HFTokenizer.from_str(json.dumps(tokenizer_json)), self.bos_token, self.eos_token,
-                         self.chat_template, self.add_bos_token)
+                         self.chat_template, self.add_bos_token, tokenizer_class or self.tokenizer_class)
 
     def save(self, path: str | Path) -> None:
         folder = Path(path)
         folder.mkdir(parents=True, exist_ok=True)
         self.backend.save(str(folder / "tokenizer.json"))
-        cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": self.bos_token,
+        cfg = {"tokenizer_class": self.tokenizer_class, "bos_token": self.bos_token,
                "eos_token": self.eos_token, "clean_up_tokenization_spaces": False,
                "model_max_length": 1 << 30}
         if self.add_bos_token is not None:
@@ -188,3 +192,22 @@ def bos_eos_processor(bos: str | None, eos: str | None, backend: HFTokenizer) ->
     specials = [(t, backend.token_to_id(t)) for t in dict.fromkeys(p for p in (bos, eos) if p is not None)]
     return processors.TemplateProcessing(single=wrap("$A"), pair=f"{wrap('$A')} {wrap('$B:1')}",
                                          special_tokens=specials)
+
+
+# ---- tokenizer.json features -------------------------------------------------------------------------
+def _normalizers(raw: dict[str, Any]) -> list[dict[str, Any]]:
+    norm = raw.get("normalizer") or {}
+    return norm.get("normalizers", []) if norm.get("type") == "Sequence" else [norm]
+
+
+def sentencepiece_style(raw: dict[str, Any]) -> bool:
+    """A tokenizer.json BPE that writes spaces as "▁" and falls back to bytes (SentencePiece's form, what
+    `edgefinfer.gguf_spm` builds from a GGUF)."""
+    return bool((raw.get("model") or {}).get("byte_fallback")) and any(
+        n.get("type") == "Replace" and n.get("content") == "\u2581" for n in _normalizers(raw))
+
+
+def prepends_space(raw: dict[str, Any]) -> bool:
+    """The normalizer puts "▁" before the text (SentencePiece's add_dummy_prefix)."""
+    return any(n.get("type") == "Prepend" and n.get("prepend") == "\u2581" for n in _normalizers(raw))
+

@@ -341,3 +341,38 @@ def test_gguf_export_writes_the_sentencepiece_vocabulary_back(tmp_path, llama_cp
     assert agreement(tok, llm, TEXTS) == []
     _, back = import_gguf(tmp_path / "m.gguf")
     assert [back.encode(t) for t in TEXTS] == [tok.encode(t) for t in TEXTS]
+
+
+# ---- the tokenizer onnxruntime-genai reads from a linux-x86_64 bundle -------------------------------------
+NUMERAL_TEXTS = [" ½", "a ½ b", "Ⅻ ½ ² numbers", " ² and ½x", "In 2024, ½ of 12345"]
+
+
+def test_onnxruntime_genai_encodes_a_sentencepiece_bundle_as_tokenizers_does(tmp_path):
+    """Shipped under the class runner_tokenizer_class gives it, onnxruntime-genai's tokenizer merges "▁"
+    with a numeral as SentencePiece (and llama.cpp, above) does; under the default class it splits them."""
+    og = pytest.importorskip("onnxruntime_genai")
+    from edgefinfer.compile.onnx_export import export_onnx
+    from edgefinfer.compile.runner_tokenizer import runner_tokenizer_class
+
+    from .helpers import tiny_model
+
+    vocab = train_spm_vocab()
+    for piece in ("½", "²", "▁½", "▁²"):  # Gemma 3 has these: a numeral after a space is one piece
+        vocab["tokens"].append(piece)
+        vocab["types"].append(1)
+        vocab["scores"].append(min(vocab["scores"]) - 1.0)
+    tok = tokenizer_from_gguf(open_gguf(write_spm_gguf(tmp_path / "spm.gguf", vocab)))
+    raw = json.loads(tok.backend.to_str())
+    assert runner_tokenizer_class(raw, "executorch") is None
+    want = [tok.encode(t) for t in NUMERAL_TEXTS]
+    assert tok.token_id("▁½") in want[0]
+
+    def genai_ids(tokenizer_class: str) -> list[list[int]]:
+        folder = tmp_path / tokenizer_class
+        tok.with_backend_json(raw, tokenizer_class).save(folder / "tok")
+        export_onnx(tiny_model(), folder / "onnx", tokenizer_dir=folder / "tok")
+        genai = og.Tokenizer(og.Model(str(folder / "onnx")))
+        return [[int(i) for i in genai.encode(t)] for t in NUMERAL_TEXTS]
+
+    assert genai_ids(runner_tokenizer_class(raw, "onnxruntime-genai")) == want
+    assert genai_ids("PreTrainedTokenizerFast")[0] != want[0]  # why the class is set (onnxruntime-genai 0.18)

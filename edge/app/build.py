@@ -206,10 +206,11 @@ def _runner_tokenizer(tokenizer, dialect: str, test_ids: list[int]):
     strings and the test text to give `tokenizers`' ids; a UserError naming what it cannot represent."""
     import json
 
-    from edgefinfer.compile.runner_tokenizer import runner_tokenizer
+    from edgefinfer.compile.runner_tokenizer import runner_tokenizer, runner_tokenizer_class
 
     sample = _sample_texts(tokenizer, test_ids)
-    return tokenizer.with_backend_json(runner_tokenizer(json.loads(tokenizer.backend.to_str()), dialect, sample))
+    source = json.loads(tokenizer.backend.to_str())
+    return tokenizer.with_backend_json(runner_tokenizer(source, dialect, sample), runner_tokenizer_class(source, dialect))
 
 
 def _sample_texts(tokenizer, test_ids: list[int]) -> list[str]:
