@@ -51,7 +51,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repo", type=Path, default=REPO, help="the repository to clone (default: this one)")
     p.add_argument("--ci", action="store_true", help="also time `bash .ci/run` (the whole test suite) in the clone")
-    p.add_argument("--keep", action="store_true", help="keep the clone and its cache (printed) instead of removing them")
+    p.add_argument("--keep", action="store_true", help="keep the clone and its cache (the folder is printed)")
     p.add_argument("--out", type=Path, default=RESULTS / "first_run.json", help="the results file")
     args = p.parse_args(argv)
     if not (args.repo / ".git").exists():

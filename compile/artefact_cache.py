@@ -6,12 +6,13 @@ context binaries), keyed by a content hash of everything that decides its bytes.
     cache = ArtefactCache()                              # $EDGEFINFER_CACHE/artefacts
     entry = cache.get("onnx", key)                       # Entry(files, meta) or None
     cache.put("onnx", key, {"model.onnx": path, ...}, meta)
+    cached_figures("float-ppl", model, options, sources, compute)   # a measurement, no files
 
     @cached_export("onnx", SOURCES)                      # or around a whole exporter that writes
     def export_onnx(model, out_dir, **options): ...      # `meta["files"]` into `out_dir`
 
 An entry is a folder `<root>/<kind>/<key>/` holding the files and `entry.json` (the exporter's metadata,
-and each file's size and sha256). It is written with `atomic_dir`, so an interrupted write leaves only a
+and the sha256 of it and of each file). It is written with `atomic_dir`, so an interrupted write leaves only a
 dot-named temporary that no lookup ever reads. Every read checks the sizes and hashes: a corrupt or
 truncated entry is discarded with one line and the step runs again. A cache that cannot be written (full
 disk, read-only or missing folder) warns once and the build goes on without it: the cache only ever saves
@@ -134,6 +135,8 @@ class ArtefactCache:
             record = json.loads((folder / ENTRY_FILE).read_text())
             files = {name: folder / name for name in record["files"]}
             problem = _damage(files, record["files"])
+            if problem is None and _meta_sha256(record["meta"]) != record["meta_sha256"]:
+                problem = f"{ENTRY_FILE}: its metadata's sha256 differs from the recorded one"
         except (FileNotFoundError, NotADirectoryError, PermissionError):  # absent, or a cache we cannot read
             return None
         except (OSError, ValueError, KeyError, TypeError) as e:  # a torn or foreign entry.json
@@ -151,11 +154,12 @@ class ArtefactCache:
             return False
         try:
             with atomic_dir(self.root / kind / key) as tmp:
-                record = {"meta": dict(meta), "files": {}}
+                meta = json.loads(json.dumps(meta, default=str))  # as a reader will see it
+                record = {"meta": meta, "meta_sha256": _meta_sha256(meta), "files": {}}
                 for name, src in files.items():
                     copy_file(src, tmp / name, durable=False)  # atomic_dir fsyncs the whole entry
                     record["files"][name] = {"size": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
-                (tmp / ENTRY_FILE).write_text(json.dumps(record, indent=1, default=str))
+                (tmp / ENTRY_FILE).write_text(json.dumps(record, indent=1))
         except (OSError, UserError) as e:  # UserError: atomic_dir's full-disk line
             self.disabled = str(e).splitlines()[0] if str(e) else type(e).__name__
             self.say(f"[cache] warning: cannot write the artefact cache at {self.root} ({self.disabled}); "
@@ -181,12 +185,32 @@ def _damage(files: Mapping[str, Path], recorded: Mapping[str, Mapping[str, Any]]
     return None
 
 
+def _meta_sha256(meta: Mapping[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+# ---- figures: a costly measurement of a model (the build's float perplexity) ---------------------------
+
+def cached_figures(kind: str, model: nn.Module, options: Mapping[str, Any], sources: Iterable[str | Path],
+                   compute: Callable[[], dict[str, Any]], cache_dir: str | Path | None = None
+                   ) -> tuple[dict[str, Any], bool]:
+    """(figures, reused): `compute()`'s JSON-able result, from the cache when the same model was measured
+    with the same options and code (`sources`) before."""
+    store = ArtefactCache(cache_dir)
+    key = content_key(kind, model, options, sources)
+    if (entry := store.get(kind, key)) is not None:
+        return entry.meta, True
+    figures = compute()
+    store.put(kind, key, {}, figures)
+    return figures, False
 
 
 # ---- an exporter that writes its files into a folder ----------------------------------------------------

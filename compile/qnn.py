@@ -177,8 +177,8 @@ def compile_context(qdq_path: Path, ctx_path: Path, soc: Soc) -> list[str]:
 # ---- the pipeline --------------------------------------------------------------------------------------
 
 # The modules whose source is part of the artefact cache's key (the graphs, the quantizer, the compiler's options).
-CACHE_SOURCES = tuple(Path(__file__).with_name(n) for n in ("qnn.py", "onnx_static.py", "onnx_export.py", "onnx_graph.py",
-                                                             "onnx_weights.py")) + (Path(ort_ep.__file__),)
+CACHE_SOURCES = (*(Path(__file__).with_name(n) for n in ("qnn.py", "onnx_static.py", "onnx_export.py", "onnx_graph.py",
+                                                          "onnx_weights.py")), Path(ort_ep.__file__))
 
 
 @cached_export("qnn", CACHE_SOURCES)

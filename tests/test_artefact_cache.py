@@ -17,7 +17,7 @@ import pytest
 from edgefinfer.bundle import load_manifest
 from edgefinfer.checkpoint import save_model
 from edgefinfer.compile import artefact_cache
-from edgefinfer.compile.artefact_cache import ENTRY_FILE, ArtefactCache, content_key
+from edgefinfer.compile.artefact_cache import ENTRY_FILE, ArtefactCache, cached_figures, content_key
 from edgefinfer.compile.onnx_export import CACHE_SOURCES, export_onnx
 from edgefinfer.data import cache_dir, load_text
 from tests.helpers import tiny_model, tiny_tokenizer
@@ -144,7 +144,8 @@ def test_an_unwritable_cache_warns_once_and_the_export_succeeds(model, tmp_path,
     assert not first["cached"] and not again["cached"]
     assert (tmp_path / "b" / first["model_file"]).stat().st_size > 0
     lines = _lines(capsys)
-    assert len(lines) == 2 and all(line.startswith("[cache] warning: cannot write the artefact cache") for line in lines)
+    assert len(lines) == 2  # one per export: each export opens the cache afresh
+    assert all(line.startswith("[cache] warning: cannot write the artefact cache") for line in lines)
 
 
 def test_a_full_disk_disables_the_cache_with_one_warning(tmp_path, capsys, monkeypatch):
@@ -178,9 +179,30 @@ def test_a_second_build_of_the_same_bundle_reuses_the_cache_and_says_so(tmp_path
                                "--max-seq-len", "128"], capture_output=True, text=True, timeout=600, env=env)
         assert proc.returncode == 0, proc.stderr
         runs.append(proc.stderr)
-    assert "reused the artefact cache" not in runs[0] and "reused the artefact cache" in runs[1]
+    assert "reused the artefact cache" not in runs[0]
+    reused = [line for line in runs[1].splitlines() if line.endswith("(reused the artefact cache)")]
+    assert [line.split(" done in ")[0] for line in reused] == [  # the float score and the ONNX graph
+        "[build 2/5] float perplexity (eager torch)", "[build 4/5] compile onnx for linux-x86_64 (int4-g32-fzp)"]
     first, second = (load_manifest(tmp_path / b, target="linux-x86_64") for b in ("b1", "b2"))
     assert first.artefact("model").sha256 == second.artefact("model").sha256
     assert first.metrics["ppl"] == pytest.approx(second.metrics["ppl"])
     assert json.loads((tmp_path / "b2" / "genai_config.json").read_text()) == \
         json.loads((tmp_path / "b1" / "genai_config.json").read_text())
+
+
+def test_a_metadata_only_entry_is_checked_too(model, tmp_path, capsys):
+    """A measurement (the build's float perplexity) has no files: its entry.json's own sha256 guards it."""
+    calls = []
+
+    def score():
+        calls.append(1)
+        return {"ppl": 12.5}
+
+    opts, sources = {"window": 8}, CACHE_SOURCES[:1]
+    assert cached_figures("float-ppl", model, opts, sources, score, tmp_path) == ({"ppl": 12.5}, False)
+    assert cached_figures("float-ppl", model, opts, sources, score, tmp_path) == ({"ppl": 12.5}, True)
+    [entry] = (tmp_path / "float-ppl").iterdir()
+    record = entry / ENTRY_FILE
+    record.write_text(record.read_text().replace("12.5", "13.5"))  # still valid JSON, another figure
+    assert cached_figures("float-ppl", model, opts, sources, score, tmp_path) == ({"ppl": 12.5}, False)
+    assert len(calls) == 2 and "metadata's sha256 differs" in _lines(capsys)[0]

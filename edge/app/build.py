@@ -116,8 +116,8 @@ def build(opts: BuildOptions) -> Path:
 
     done = log.step(2, n_steps, "float perplexity (eager torch)")
     prefix = tokenizer.scoring_prefix  # [BOS] for models trained to see one first (Gemma)
-    float_ppl = _perplexity_of(lambda ids: model(ids), test_ids, opts.eval_window, prefix) if test_ids else None
-    done(f": {float_ppl:.3f}" if float_ppl else "")
+    float_ppl, reused = _float_perplexity(model, test_ids, opts.eval_window, prefix)
+    done((f": {float_ppl:.3f}" if float_ppl else "") + (" (reused the artefact cache)" if reused else ""))
 
     recipe = opts.recipe or default_recipe(target, folder)
     if prequantized is not None:  # `edgefinfer quantize` already chose: export those codes as they are
@@ -262,6 +262,22 @@ def default_recipe(target: Target, folder: Path) -> str:
 
     grid = source_gguf_type(folder) if target.format == "gguf" else None
     return f"llamacpp-{grid}" if grid in LLAMA_FTYPES else target.recipe
+
+
+def _float_perplexity(model, test_ids: list[int], window: int, prefix: list[int]) -> tuple[float | None, bool]:
+    """(eager float perplexity, reused): from the artefact cache when this model was scored on the same
+    tokens by the same code before (a rebuild), else measured and stored."""
+    if not test_ids:
+        return None, False
+    from edgefinfer import cache, config, evaluate
+    from edgefinfer import model as model_module
+    from edgefinfer.compile.artefact_cache import cached_figures
+
+    options = {"test_ids": test_ids, "window": window, "prefix": list(prefix)}
+    sources = (evaluate.__file__, model_module.__file__, cache.__file__, config.__file__)  # what the score runs
+    figures, reused = cached_figures("float-ppl", model, options, sources,
+                                     lambda: {"ppl": _perplexity_of(lambda ids: model(ids), test_ids, window, prefix)})
+    return figures["ppl"], reused
 
 
 def quantize_for(model, target: Target, recipe: str, tokenizer):
