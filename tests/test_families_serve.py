@@ -1,0 +1,73 @@
+"""Every family's GGUF through `edgefinfer run`'s engine and through `serve`, over real HTTP.
+
+Each tiny family model (tests/families.py, as llama.cpp runs it) is written as an F32 GGUF with a
+byte-level tokenizer. On that one file: the runtime's greedy tokens are the server's (with
+--batch-invariant, the exactness contract with `run`) and the finish reason is the same; prompt-lookup
+speculation gives the runtime's tokens again (greedy verification is exact); a regex-constrained reply
+matches its regex on both sides.
+"""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+import pytest
+
+from tests.families import NAMES, byte_tokenizer, llamacpp_config, random_hf_model
+
+pytest.importorskip("llama_cpp")
+pytest.importorskip("fastapi")
+
+pytestmark = pytest.mark.llamacpp
+
+PROMPT = "abcabcabcabcabc"  # the byte tokenizer has no space; repetition gives prompt lookup its n-grams
+TOKENS = 12
+DIGITS = "[0-9]{5}"
+
+
+# llama.cpp picks Phi-3's long or short RoPE factors by the context it was created with (per sequence, or
+# the whole pool when the KV cells are unified): `run` sizes it by --max-seq-len, `serve`'s unified pool by
+# every slot together, so the same file decodes with other factors. Kept strict: it fails once fixed.
+LONGROPE_SPLIT = pytest.mark.xfail(strict=True, reason="run and serve give llama.cpp contexts on either side "
+                                   "of Phi-3's original length, so they pick different longrope factors")
+
+
+@pytest.fixture(scope="module", params=[pytest.param(n, marks=LONGROPE_SPLIT) if n == "phi3" else n for n in NAMES])
+def gguf_file(request, tmp_path_factory):
+    from edgefinfer.checkpoint import load_model
+    from edgefinfer.compile.gguf_export import export_gguf
+
+    name = request.param
+    folder = tmp_path_factory.mktemp(name)
+    random_hf_model(llamacpp_config(name), gemma=name == "gemma3").save_pretrained(folder / "hf")
+    ours = load_model(folder / "hf")
+    path = folder / f"{name}.gguf"
+    export_gguf(ours, byte_tokenizer(ours.config.vocab_size), path, "f32")
+    return path
+
+
+def test_run_and_serve_agree_on_every_family(gguf_file):
+    from edgefinfer.runtime.engine import Engine
+    from edgefinfer.server_gpu.api import create_app
+    from edgefinfer.server_gpu.launch import BackgroundServer
+    from edgefinfer.server_gpu.loader import ServeOptions, build_engine
+    from edgefinfer.structured import Constraint
+
+    runtime = Engine.load(gguf_file, threads=1)
+    expect = runtime.generate(PROMPT, max_tokens=TOKENS)
+    assert expect.token_ids  # something was generated to compare
+    lookup = Engine.load(gguf_file, speculative="lookup:2,3", threads=1).generate(PROMPT, max_tokens=TOKENS)
+    assert (lookup.token_ids, lookup.finish_reason) == (expect.token_ids, expect.finish_reason)
+    digits = runtime.generate(PROMPT, max_tokens=TOKENS, response_format=Constraint.regex(DIGITS))
+    assert re.fullmatch(DIGITS, digits.text), digits.text
+
+    engine, name = build_engine(ServeOptions(str(gguf_file), max_num_seqs=2, max_model_len=64, threads=1,
+                                             batch_invariant=True))
+    with BackgroundServer(create_app(engine, name)) as srv:
+        body = {"model": name, "prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0}
+        got = httpx.post(srv.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+        regex = httpx.post(srv.url + "/v1/completions", timeout=60, json={
+            **body, "structured_outputs": {"regex": DIGITS}}).json()["choices"][0]
+    assert (got["text"], got["finish_reason"]) == (expect.text, expect.finish_reason)
+    assert re.fullmatch(DIGITS, regex["text"]), regex
