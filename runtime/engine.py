@@ -142,7 +142,7 @@ def _open(path: Path, kind: str | None, kv: KVOption, threads: int | None, max_s
     if kind == "llamacpp":
         from edgefinfer.runtime.backends.llamacpp import LlamaCppBackend
 
-        return LlamaCppBackend(path, n_ctx=max_seq_len or 2048, threads=threads, window=window)
+        return LlamaCppBackend(path, n_ctx=max_seq_len or 2048, threads=threads, window=window, num_sinks=kv.sinks)
     if kind == "executorch":
         from edgefinfer.runtime.backends.executorch import ExecuTorchBackend
 

@@ -114,3 +114,58 @@ def test_window_cache_exports_with_torch_export():
         for start, n in [(0, 12), (12, 1), (13, 1), (14, 16)]:
             args = (tokens[:, start:start + n], torch.arange(start, start + n)[None])
             assert (exported(*args) - eager(*args)).abs().max() < 1e-5
+
+
+# ---- the same window on llama.cpp (runtime/backends/llamacpp.py: cells removed, not masked) ------------
+@pytest.fixture(scope="module")
+def mistral_gguf(tmp_path_factory):
+    pytest.importorskip("llama_cpp")
+    from edgefinfer.compile.gguf_export import export_gguf
+    from tests.families import byte_tokenizer
+
+    ref, ours = mistral_pair()
+    path = tmp_path_factory.mktemp("window") / "mistral.gguf"
+    export_gguf(ours, byte_tokenizer(101), path, "f32")
+    return ref, ours, path
+
+
+@pytest.mark.llamacpp
+@pytest.mark.parametrize("chunks", [[1] * 32, [5, 1, 1, 13, 1, 11], [20, 12]])
+def test_llamacpp_window_equals_mistral_over_four_windows(mistral_gguf, chunks):
+    """llama.cpp runs Mistral's window over the whole context; `--kv window:N` gives the model's own."""
+    from edgefinfer.runtime.backends.llamacpp import LlamaCppBackend
+
+    ref, _, path = mistral_gguf
+    tokens = torch.randint(0, 101, (1, 4 * WINDOW), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = ref(tokens).logits[0].numpy()
+    backend, start, got = LlamaCppBackend(path, threads=1, window=WINDOW), 0, []
+    for n in chunks:
+        got.append(backend.forward(tokens[0, start:start + n].tolist(), start))
+        start += n
+    import numpy as np
+
+    assert np.abs(np.concatenate(got) - want).max() < 1e-4  # float32 summation order only
+
+
+@pytest.mark.llamacpp
+def test_llamacpp_window_with_sinks_equals_the_ring_cache(mistral_gguf):
+    from edgefinfer.runtime.backends.llamacpp import LlamaCppBackend
+    from edgefinfer.runtime.backends.torch_eager import TorchBackend
+    from edgefinfer.runtime.engine import Engine
+
+    _, ours, path = mistral_gguf
+    llama = LlamaCppBackend(path, threads=1, window=WINDOW, num_sinks=2)
+    ring = TorchBackend(ours, window=WINDOW, num_sinks=2)
+    # Past the cells llama.cpp allocates (it sizes a context to 256 at least): positions keep growing.
+    tokens = torch.randint(0, 101, (llama.ctx.n_ctx + 4 * WINDOW,), generator=torch.Generator().manual_seed(2)).tolist()
+    import numpy as np
+
+    got, want = llama.forward(tokens, 0), ring.forward(tokens, 0)
+    assert np.abs(got - want).max() < 1e-4  # measured 2e-7
+    # What a removed cell held cannot come back: a rollback behind the window's edge is refused, and
+    # speculation (which rolls back rejected tokens) with it, in one line.
+    with pytest.raises(UserError, match="no longer holds what position 10 attends to"):
+        llama.rollback(10)
+    with pytest.raises(UserError, match="can roll back at most 0 speculative tokens"):
+        Engine.load(path, kv=f"window:{WINDOW}", speculative="lookup:2,3")

@@ -5,6 +5,14 @@ only this call's rows (see `llamacpp_binding` for why not llama-cpp-python's hig
 
 Rollback is explicit here: llama.cpp appends new tokens after its own count, so `forward` at a
 position before that count first removes the stale cells and rewinds.
+
+`--kv window:N[,sinks:S]` has the ring cache's meaning (runtime/kv/window.py): a query at position q
+sees positions < S and q-N+1 .. q, keys at their absolute positions. llama.cpp masks by the cells a
+sequence holds, so the window is kept by removing cells, never by a mask: positions up to S+N-1 go in
+one batch (every query there sees everything before it), each later token alone, after the cells that
+fell out of its window are removed (`llama_memory_seq_rm`), so the context holds S+N cells forever.
+A removed cell cannot come back, so a rollback past the window's edge is impossible: the cache reports
+`max_draft_tokens = 0` (no speculation) and sessions re-prefill instead of rolling back.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from typing import Sequence
 import numpy as np
 
 from edgefinfer.errors import UserError
+from edgefinfer.runtime.backends.base import UNBOUNDED
 from edgefinfer.runtime.backends.llamacpp_binding import LlamaContext, LlamaModel
 
 _SEQ = 0  # the llama seq id of the one sequence
@@ -27,22 +36,29 @@ class LlamaCppBackend:
     N_BATCH = 512  # tokens per llama_decode call
 
     def __init__(self, gguf_path: str | Path, n_ctx: int = 2048, threads: int | None = None,
-                 window: int | None = None):
-        if window is not None:
-            raise UserError("the llama.cpp backend has no sliding-window cache here; use the torch, "
-                            "ExecuTorch or ONNX backend for --kv window")
+                 window: int | None = None, num_sinks: int = 0):
         self.model = LlamaModel(gguf_path)
-        self.model.check_window(n_ctx, "--max-seq-len")
+        if window is not None:
+            if window < 1 or num_sinks < 0:
+                raise UserError(f"bad window {window} / sinks {num_sinks}: the window holds at least 1 token")
+            self.model.check_window(window, "--kv window:")
+            n_ctx = num_sinks + window  # cells: never more are held
+        else:
+            self.model.check_window(n_ctx, "--max-seq-len")
         cores = os.cpu_count() or 1
         # F32 KV keeps llama.cpp's cache from adding f16 rounding on top of the weights' own. Without
         # `threads`, llama-cpp-python's defaults (which this backend used before): half the cores for
         # one-token steps, all of them for prompts.
         self.ctx = LlamaContext(self.model, 1, n_ctx, kv_dtype="f32", max_tokens=min(n_ctx, self.N_BATCH),
                                 threads=threads or cores, decode_threads=threads or max(cores // 2, 1))
-        self.window = None
+        self.window = window
+        self.num_sinks = num_sinks
         self.vocab_size = self.model.vocab_size
-        self.max_seq_len = n_ctx
-        self._n_tokens = 0  # positions llama.cpp holds for the sequence
+        self.max_seq_len = UNBOUNDED if window is not None else n_ctx
+        if window is not None:
+            self.max_draft_tokens = 0
+        self._n_tokens = 0  # positions llama.cpp holds for the sequence (the next one to feed)
+        self._evicted_to = 0  # with a window: cells at positions [num_sinks, this) were removed
 
     def forward(self, tokens: Sequence[int], start_pos: int) -> np.ndarray:
         if start_pos + len(tokens) > self.max_seq_len:
@@ -51,15 +67,37 @@ class LlamaCppBackend:
         if start_pos != self._n_tokens:
             self.rollback(start_pos)
         out = np.empty((len(tokens), self.vocab_size), np.float32)
-        step = self.ctx.max_tokens
-        for i in range(0, len(tokens), step):
-            chunk = tokens[i:i + step]
-            self.ctx.decode([(_SEQ, start_pos + i, chunk, len(chunk))], out=out[i:i + len(chunk)])
-            self._n_tokens = start_pos + i + len(chunk)
+        i = 0
+        while i < len(tokens):
+            n = self._chunk_len(start_pos + i, len(tokens) - i)
+            chunk = tokens[i:i + n]
+            self.ctx.decode([(_SEQ, start_pos + i, chunk, n)], out=out[i:i + n])
+            self._n_tokens = start_pos + i + n
+            i += n
         return out
+
+    def _chunk_len(self, pos: int, remaining: int) -> int:
+        """How many tokens from `pos` the next llama_decode may take; with a window, first removes the
+        cells that fall out of the window of the query at `pos`."""
+        n = min(remaining, self.ctx.max_tokens)
+        if self.window is None:
+            return n
+        full = self.num_sinks + self.window  # queries before this position see every earlier one
+        if pos + n <= full:
+            return n
+        if pos < full:
+            return full - pos
+        self._evicted_to = pos - self.window + 1
+        self.ctx.remove(_SEQ, self.num_sinks, self._evicted_to)
+        return 1
 
     def rollback(self, length: int) -> None:
         if length < self._n_tokens:
+            if self.window is not None and length and length - self.window + 1 < self._evicted_to:
+                raise UserError(f"the llama.cpp window cache no longer holds what position {length} attends "
+                                "to; start the sequence again")
+            if not length:
+                self._evicted_to = 0
             self.ctx.remove(_SEQ, length)
             self._n_tokens = length
 
