@@ -144,7 +144,7 @@ def main() -> None:
 
     gguf = reference.gguf_path("smollm2-135m")
     engine, _ = build_engine(ServeOptions(model=str(gguf), threads=args.threads, max_num_seqs=16,
-                                          max_model_len=2048, kv_dtype="f16", flash_attn=True))
+                                          max_model_len=2048, kv_dtype="f16", flash_attn=True, kv_unified=False))
     timer = Timer()
     ctx, scheduler = engine.executor.ctx, engine.scheduler
     timer.wrap(ctx.lib, "llama_decode", "llama_decode")

@@ -129,7 +129,7 @@ def server_row(items: list[dict], engine_texts: list[str]) -> dict:
     from edgefinfer.server_gpu.loader import ServeOptions, build_engine
 
     engine, name = build_engine(ServeOptions(MODEL, max_num_seqs=4, max_model_len=1024, threads=THREADS,
-                                             kv_unified=False))
+                                             batch_invariant=True))
     valid = plain_valid = same = 0
     per = {"c": [0.0, 0], "u": [0.0, 0]}
     with BackgroundServer(create_app(engine, name)) as srv:
