@@ -169,3 +169,13 @@ def test_llamacpp_window_with_sinks_equals_the_ring_cache(mistral_gguf):
         llama.rollback(10)
     with pytest.raises(UserError, match="can roll back at most 0 speculative tokens"):
         Engine.load(path, kv=f"window:{WINDOW}", speculative="lookup:2,3")
+
+
+@pytest.mark.llamacpp
+def test_a_window_llamacpp_would_ignore_is_refused_naming_the_fix(mistral_gguf):
+    from edgefinfer.runtime.backends.llamacpp import LlamaCppBackend
+
+    with pytest.raises(UserError, match=f"sliding window of {WINDOW} tokens, which llama.cpp does not apply.*"
+                                        f"--kv window:{WINDOW}"):
+        LlamaCppBackend(mistral_gguf[2], n_ctx=64)
+    LlamaCppBackend(mistral_gguf[2], n_ctx=WINDOW)  # a context inside the window is the model's own

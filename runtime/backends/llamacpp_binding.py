@@ -99,8 +99,9 @@ class LlamaModel:
         if self.ignored_window is not None and n_ctx > self.ignored_window:
             raise UserError(f"{self.path.name} has a sliding window of {self.ignored_window} tokens, which "
                             f"llama.cpp does not apply to this architecture (it would attend to the whole "
-                            f"context); pass {option} {self.ignored_window} or less, or run the checkpoint "
-                            f"on the torch backend")
+                            f"context); pass {option} {self.ignored_window} or less, --kv window:"
+                            f"{self.ignored_window} (applied by removing cells), or run the checkpoint on the "
+                            f"torch backend")
 
     def tokenize(self, text: str) -> list[int] | None:
         """llama.cpp's own split of `text` (no BOS, special tokens parsed), or None if it fails."""
