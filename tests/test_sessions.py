@@ -220,3 +220,14 @@ def test_a_smollm2_conversation_reuses_its_replies_and_equals_stateless_runs(smo
         if previous:
             assert session.last.reused_tokens > previous  # the prompt and (part of) the reply before it
         previous = session.last.prompt_tokens
+
+
+def test_plain_text_sessions_continue_the_transcript(artefacts):
+    engine, reference = load(artefacts, "torch"), load(artefacts, "torch")
+    session = engine.session()
+    for text in ["It is a truth universally acknowledged", ", that a single man", " in possession of"]:
+        prompt = session.transcript + text
+        got = turn(session, text, 8, method="stream")
+        want = reference.generate(prompt, max_tokens=8)
+        assert got == want.token_ids and session.transcript.endswith(want.text)
+    assert session.last.reused_tokens > 0
