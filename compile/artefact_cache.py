@@ -90,8 +90,10 @@ def content_key(kind: str, model: nn.Module, options: Mapping[str, Any], sources
 
 def _option_text(value: Any) -> str:
     """A callable option (the runtime's calibration recorder) counts by its name and its module's source."""
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu().contiguous().numpy()
     if hasattr(value, "tobytes"):  # an array: str() would abbreviate it
-        return hashlib.sha256(value.tobytes()).hexdigest()
+        return f"{getattr(value, 'dtype', '')}{getattr(value, 'shape', '')}:{hashlib.sha256(value.tobytes()).hexdigest()}"
     if callable(value):
         source = inspect.getsourcefile(value)
         digest = hashlib.sha256(Path(source).read_bytes()).hexdigest() if source else ""

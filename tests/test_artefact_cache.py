@@ -1,4 +1,5 @@
-"""The artefact cache (issue 30 item 2): one content-keyed store for every target's expensive step. A
+"""The artefact cache (issue 30 item 2): one content-keyed store for every target's expensive step
+(lowering, ONNX emission, QNN context binaries, quantization, the float score). A
 damaged entry (bytes flipped, truncated, torn metadata) is discarded with one line and rebuilt; an
 interrupted write leaves nothing a lookup reads; an unwritable or full cache warns once and the export
 still succeeds; a second build of the same bundle reuses the entry and says so."""
@@ -183,6 +184,7 @@ def test_a_second_build_of_the_same_bundle_reuses_the_cache_and_says_so(tmp_path
     reused = [line for line in runs[1].splitlines() if line.endswith("(reused the artefact cache)")]
     assert [line.split(" done in ")[0] for line in reused] == [  # the float score and the ONNX graph
         "[build 2/5] float perplexity (eager torch)", "[build 4/5] compile onnx for linux-x86_64 (int4-g32-fzp)"]
+    assert "[cache] reused the quantized model" in runs[1]  # and the quantized weights the graph was keyed on
     first, second = (load_manifest(tmp_path / b, target="linux-x86_64") for b in ("b1", "b2"))
     assert first.artefact("model").sha256 == second.artefact("model").sha256
     assert first.metrics["ppl"] == pytest.approx(second.metrics["ppl"])

@@ -297,8 +297,30 @@ def quantize_for(model, target: Target, recipe: str, tokenizer):
         # 16 blocks of 256 tokens across kinds of text (a minute of GPTQ on the reference model): the
         # same default as `edgefinfer quantize`, so both commands make the same model of a recipe.
         calib = default_calibration(tokenizer)
+    return _cached_quantization(model, parsed, calib, lambda m: quantize_model(
+        m, parsed, calib, progress=lambda line: print(f"  {line}", file=sys.stderr)))
+
+
+def _cached_quantization(model, recipe, calib, quantize: Callable) -> Any:
+    """`quantize(copy of model)`, or the same recipe's result on the same weights and calibration from
+    the artefact cache (a quantized checkpoint: bit-exact codes, so the exporters' keys hit too)."""
+    import tempfile
+
+    from edgefinfer.compile import quant
+    from edgefinfer.compile.artefact_cache import ArtefactCache, content_key
+    from edgefinfer.compile.quant.checkpoint import load_quantized, save_quantized
+
+    store, files = ArtefactCache(), ("config.json", "model.safetensors")
+    key = content_key("quantized", model, {"recipe": recipe.name, "calibration": calib},
+                      sorted(Path(quant.__file__).parent.glob("*.py")))
+    if (entry := store.get("quantized", key)) is not None:
+        print(f"  [cache] reused the quantized model {key[:12]}", file=sys.stderr)
+        return load_quantized(entry.files[files[0]].parent)[0]
     quantized = copy.deepcopy(model)
-    quantize_model(quantized, parsed, calib, progress=lambda m: print(f"  {m}", file=sys.stderr))
+    quantize(quantized)
+    with tempfile.TemporaryDirectory(prefix="edgefinfer-quantized-") as tmp:
+        save_quantized(quantized, recipe, Path(tmp) / "q")
+        store.put("quantized", key, {name: Path(tmp) / "q" / name for name in files}, {"recipe": recipe.name})
     return quantized
 
 
