@@ -4,22 +4,30 @@ llama-cpp-python's `llama_cpp.server`), same GGUF, same client, same requests, s
     python bench/server.py            # the full run (about 20 minutes on 2 cores)
     python bench/server.py --quick    # about two minutes: one run each, fewer requests
 
-Peers, each in its own process with the same thread count and KV precision (f16, llama-server's
-default):
+Servers, each in its own process with the same thread count, slots and context:
 - `llama-server` built from the llama.cpp vendored in the pinned llama-cpp-python sdist, with our
   wheel's ggml flags (bench/peers.py builds it once), `--parallel 16` slots of 2048 cells (its
-  per-slot layout), flash attention on for every server (`--flash-attn off` to compare without).
-  For workload (b) also with `--cache-reuse 256`, and with `cache_prompt: false` (no prompt cache).
+  per-slot layout), f16 KV and flash attention (its defaults on this CPU; `--flash-attn off` to
+  compare without). For workload (b) also with `--cache-reuse 256`, and with `cache_prompt: false`.
 - `llama_cpp.server`, llama-cpp-python's server, which serves one request at a time: workload (a).
-- `edgefinfer`: `kv-unified` (the default `--kv-layout unified`: one cell pool governed by the
-  paged-KV manager, retained prefixes) and `per-slot` (one stream per sequence: batch-invariant).
+- `edgefinfer` at its defaults (`defaults`: f16 KV, flash attention, the unified pool with retained
+  prefixes; no tuning flag), `per-slot` (`--kv-layout per-slot`, matched to llama-server's layout),
+  and `batch-invariant` (`--batch-invariant`: exactly `edgefinfer run`'s tokens; not in the default
+  set, `--servers edgefinfer:batch-invariant` adds it).
 
-Workloads (closed loop: C clients, each sending its next request when its previous one ends):
+Workloads (closed loop: C clients, each sending its next request when its previous one ends), shaped
+like real traffic where it shares, and unshared where it must not:
 - (a) `short`: 16 one-line prompts, 48 output tokens, at C = 1 (each prompt once per run) and 16
-  (two per client);
+  (two per client), every request with its own first word (nothing shared);
 - (b) `shared-system`: 16 concurrent chats whose prompts share a 512-token system prompt, each a
-  different question, 48 output tokens;
-- (c) `long-short`: half 1500-token prompts, half one-line prompts, 48 output tokens, C = 8.
+  different question, 48 output tokens; the system prompt is the same in every run (warm, as a
+  deployed assistant's is), the questions are new each run;
+- (c) `long-short`: half 1500-token prompts, half one-line prompts, 48 output tokens, C = 8 (new
+  text each run);
+- (d) `chat-header`: the short prompts in the model's chat template (its default system turn: a
+  header every request shares, as chat traffic does), a new question each request, C = 16;
+- (e) `repeated`: the same 16 chat prompts in every run (a chat history sent again), C = 16: a
+  server that keeps finished prompts answers them from its cache.
 
 Per workload, concurrency and server: output tokens/s (tokens of all completions / wall time),
 TTFT p50/p99 (first streamed text) and inter-token latency p50 (per request: (last chunk - first
@@ -90,9 +98,12 @@ class Workload:
     levels: tuple[int, ...]
     requests_per_client: int
     min_requests: int = 2  # per run, whatever the concurrency (C = 1 with 2 requests is one second of data)
-    # False: requests share no prefix at all, each starts with a word no other request of the benchmark
-    # starts with; True: the run's requests share what their prompts share (a system prompt, a long text).
-    shared: bool = True
+    # How a run makes its prompts new (`run_prompts`): "request", each request starts with a word no
+    # other request of the benchmark starts with (nothing shared); "run", the run's tag goes first (the
+    # run's requests share what their prompts share, nothing with other runs); "{tag}" in a prompt, the
+    # tag goes there (what comes before it is shared with every run: warm); "none", the same prompts
+    # every run (repeated traffic).
+    tag: str = "run"
 
 
 def text_of_tokens(tokenizer, seed_text: str, num_tokens: int) -> str:
@@ -109,15 +120,22 @@ LONG_SEED = ("The history of the lighthouse begins with fires lit on hills to gu
              "through towers of stone, oil lamps, lenses and finally electric lights watched from far away. ")
 
 
+def chat_prompt(tokenizer, question: str) -> str:
+    """`question` as one user turn in the model's chat template (SmolLM2's adds its default system turn)."""
+    return tokenizer.apply_chat_template([{"role": "user", "content": question}])
+
+
 def workloads(tokenizer, quick: bool) -> list[Workload]:
     system = text_of_tokens(tokenizer, SYSTEM_SEED, 512)
     long = text_of_tokens(tokenizer, LONG_SEED, 1500)
     # One request per client where prompts are long (each run then costs up to a minute per server).
     return [
-        Workload("short", tuple(PROMPTS), (1, 16), 1 if quick else 2, 2 if quick else len(PROMPTS), shared=False),
-        Workload("shared-system", tuple(f"{system}\nQuestion: {p}\nAnswer:" for p in PROMPTS), (16,), 1),
+        Workload("short", tuple(PROMPTS), (1, 16), 1 if quick else 2, 2 if quick else len(PROMPTS), tag="request"),
+        Workload("shared-system", tuple(f"{system}\n{{tag}}Question: {p}\nAnswer:" for p in PROMPTS), (16,), 1),
         Workload("long-short", tuple(f"{long}\n{p}" if i % 2 == 0 else p for i, p in enumerate(PROMPTS[:8])),
                  (8,), 1),
+        Workload("chat-header", tuple(chat_prompt(tokenizer, "{tag}" + p) for p in PROMPTS), (16,), 1),
+        Workload("repeated", tuple(chat_prompt(tokenizer, p) for p in PROMPTS), (16,), 1, tag="none"),
     ]
 
 
@@ -187,13 +205,16 @@ def llama_server_argv(binary: Path | str, gguf: Path, port: int, threads: int, f
             "--no-webui", "--log-disable", "-a", "model", "-ngl", str(gpu_layers)]
 
 
-def ours_argv(gguf: Path, port: int, threads: int, gpu_layers: int = 0, flash_attn: bool = False) -> list[str]:
-    """`edgefinfer serve` with the settings every peer gets too (slots, context, f16 KV, threads,
-    flash attention)."""
+def ours_argv(gguf: Path, port: int, threads: int, gpu_layers: int = 0, flash_attn: bool = True) -> list[str]:
+    """`edgefinfer serve` with the capacity every peer gets too (slots, context, threads); its KV
+    settings are its defaults (f16, flash attention: llama-server's), flash attention off on request."""
     return [sys.executable, "-m", "edgefinfer.app.serve_command", str(gguf), "--port", str(port),
             "--threads", str(threads), "--max-num-seqs", str(SLOTS), "--max-model-len", str(SLOT_CTX),
-            "--kv-dtype", "f16", "--log-level", "warning", "--gpu-layers", str(gpu_layers),
-            "--served-model-name", "model", *(["--flash-attn"] if flash_attn else [])]
+            "--log-level", "warning", "--gpu-layers", str(gpu_layers),
+            "--served-model-name", "model", *([] if flash_attn else ["--no-flash-attn"])]
+
+
+OURS_CONFIGS = {"defaults": [], "per-slot": ["--kv-layout", "per-slot"], "batch-invariant": ["--batch-invariant"]}
 
 
 # ------------------------------------------------------------------------------------- client
@@ -276,17 +297,23 @@ def run_prompts(work: Workload, run_index: int, n: int, tokenizer) -> list[str]:
     from a cache filled by the one before it.
 
     A shared workload tags its run ("Session 7. ..."): within the run its requests share what they
-    share by design. An unshared one starts every request with its own word. A tag shared by the
+    share by design; where a prompt holds "{tag}", the tag goes there, each request's own ("Session 7,
+    Lorem: "), and what comes before it is shared by every run. An unshared one starts every request
+    with its own word. A repeated one sends the same prompts every run. A tag shared by the
     whole run is a prefix too: llama-server's slots reuse any common prefix token by token, so with
     "Session 7. " in front of 20-token prompts it skipped a fifth of every prefill (C = 1 TTFT 108 vs
     138 ms for ours, whose cache shares whole 16-token blocks; 145 vs 141 ms with distinct first
     words), and at C = 16 the second request of each prompt found the first one's whole prompt in
     its slot."""
-    if work.shared:
-        tag = f"Session {run_index}. "
-        return [tag + work.prompts[i % len(work.prompts)] for i in range(n)]
+    prompts = [work.prompts[i % len(work.prompts)] for i in range(n)]
+    if work.tag == "none":
+        return prompts
     words = distinct_words(tokenizer)
-    return [f"{words[next(_REQUESTS) % len(words)]}: {work.prompts[i % len(work.prompts)]}" for i in range(n)]
+    if work.tag == "request":
+        return [f"{words[next(_REQUESTS) % len(words)]}: {p}" for p in prompts]
+    if "{tag}" in prompts[0]:
+        return [p.replace("{tag}", f"Session {run_index}, {words[next(_REQUESTS) % len(words)]}: ") for p in prompts]
+    return [f"Session {run_index}. {p}" for p in prompts]
 
 
 _REQUESTS = itertools.count()  # unshared requests so far: each takes the next word
@@ -380,6 +407,11 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------- main
+def _uptime() -> str:
+    """The host's load, recorded before and after: a busy host makes every figure noisy."""
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+
+
 def median_row(key: tuple, runs: list[dict]) -> dict:
     mine = [r for r in runs if (r["server"], r["config"], r["workload"], r["concurrency"]) == key]
     med = {k: round(statistics.median(r[k] for r in mine), 4) for k in ("tok_s", "ttft_p50_s", "ttft_p99_s")}
@@ -416,14 +448,14 @@ def main() -> None:
     ap.add_argument("--gpu-layers", type=int, default=0, help="offload layers (CUDA builds), every server")
     ap.add_argument("--repeats", type=int, default=None, help="interleaved runs per row (default 3; 1 with --quick)")
     ap.add_argument("--max-tokens", type=int, default=None, help="tokens per completion (default 48, 16 quick)")
-    ap.add_argument("--workloads", default="short,shared-system,long-short")
+    ap.add_argument("--workloads", default="short,shared-system,long-short,chat-header,repeated")
     ap.add_argument("--levels", default=None, help="concurrency levels of short and shared-system (default 1,16 and 16)")
     ap.add_argument("--slots", type=int, default=SLOTS, help="llama-server --parallel and our --max-num-seqs")
     ap.add_argument("--no-llama-cpp-python", action="store_true", help="skip llama_cpp.server")
     ap.add_argument("--kv-budget-mb", type=int, default=96, help="KV memory of the capacity measurement (0: skip it)")
     ap.add_argument("--llama-server", default=None, help="a llama-server binary (default: bench/peers.py builds one)")
     ap.add_argument("--servers", default=None, help="only these, comma-separated NAME[:CONFIG] "
-                    "(e.g. edgefinfer:kv-unified,llama-server)")
+                    "(e.g. edgefinfer:defaults,llama-server; edgefinfer:batch-invariant adds the exact mode)")
     ap.add_argument("--ours-args", default="", help="extra arguments for our server (e.g. '--retain-tokens 1024')")
     ap.add_argument("--flash-attn", choices=("on", "off"), default="on",
                     help="flash attention for every server (default on: llama-server's default `auto` turns it on "
@@ -449,7 +481,7 @@ def main() -> None:
     def ours(config: str) -> ServerProcess:
         port = free_port()
         argv = ours_argv(gguf, port, args.threads, args.gpu_layers, flash_attn=args.flash_attn == "on")
-        argv += ["--kv-layout", "unified" if config == "kv-unified" else "per-slot", *args.ours_args.split()]
+        argv += [*OURS_CONFIGS[config], *args.ours_args.split()]
         return ServerProcess("edgefinfer", config, argv, port, env=OURS_ENV)
 
     def peer(config: str) -> ServerProcess:
@@ -474,10 +506,11 @@ def main() -> None:
     plan = [w for w in workloads(tokenizer, args.quick) if w.name in wanted]
     if args.levels:
         levels = tuple(int(x) for x in args.levels.split(","))
-        plan = [dataclasses.replace(w, levels=levels) if w.name != "long-short" else w
+        plan = [dataclasses.replace(w, levels=levels) if w.name in ("short", "shared-system") else w
                 for w in plan]
     runs: list[dict] = []
     t0 = time.time()
+    uptime_before = _uptime()
     print(f"model {gguf.name}, threads {args.threads}, max_tokens {max_tokens}, repeats {args.repeats}, "
           f"llama-server {binary}", flush=True)
     def chosen(key: tuple[str, str]) -> bool:
@@ -487,8 +520,10 @@ def main() -> None:
 
     with contextlib.ExitStack() as stack:
         servers = {key: stack.enter_context(make()) for key, make in {
-            ("edgefinfer", "kv-unified"): lambda: ours("kv-unified"),
+            ("edgefinfer", "defaults"): lambda: ours("defaults"),
             ("edgefinfer", "per-slot"): lambda: ours("per-slot"),
+            **({("edgefinfer", "batch-invariant"): lambda: ours("batch-invariant")}
+               if args.servers and "edgefinfer:batch-invariant" in args.servers else {}),
             ("llama-server", "default"): lambda: peer("default"),
             ("llama-server", "cache-reuse"): lambda: peer("cache-reuse"),
             ("llama-server", "no-prompt-cache"): lambda: peer("no-prompt-cache"),
@@ -500,6 +535,11 @@ def main() -> None:
             entries = [k for k in servers if k[0] != "llama_cpp.server" or work.name == "short"]
             if work.name != "shared-system":  # the prompt-cache variants matter where prompts share
                 entries = [k for k in entries if k[1] not in ("cache-reuse", "no-prompt-cache")]
+            if work.tag == "none" or "{tag}" in work.prompts[0]:
+                # What every run shares with the runs before it (the repeated prompts, a system prompt)
+                # has been seen once before the first measured run too, as a deployed server's has.
+                for key in entries:
+                    asyncio.run(run_level(servers[key], run_prompts(work, -1, len(work.prompts), tokenizer), 16, 2))
             for c in work.levels:
                 for rep in range(args.repeats):
                     order = entries[rep % len(entries):] + entries[:rep % len(entries)]
@@ -520,8 +560,9 @@ def main() -> None:
                      == (server, config, workload, c)), None)
 
     summary = {}
-    for config in ("kv-unified", "per-slot"):
-        for work, c in (("short", 1), ("short", 16), ("shared-system", 16), ("long-short", 8)):
+    for config in OURS_CONFIGS:
+        for work, c in (("short", 1), ("short", 16), ("shared-system", 16), ("long-short", 8), ("chat-header", 16),
+                        ("repeated", 16)):
             a, b = row("edgefinfer", config, work, c), row("llama-server", "default", work, c)
             if a and b:
                 summary[f"{config} {work} C={c}"] = {"tok_s_ratio": round(a["tok_s"] / b["tok_s"], 2),
@@ -532,8 +573,10 @@ def main() -> None:
         summary["kv_capacity_ratio"] = round(capacity["edgefinfer_max_seqs"] / max(1, capacity["llama_server_max_seqs"]), 2)
     payload = {"rows": rows, "kv_capacity": capacity, "summary": summary, "edgefinfer_metrics": cache,
                "all_runs": runs, "machine": machine(), "threads": args.threads, "model": gguf.name,
-               "max_tokens": max_tokens, "quick": args.quick, "repeats": args.repeats, "kv_dtype": "f16 (all)",
-               "flash_attn": f"{args.flash_attn} (all)",
+               "max_tokens": max_tokens, "quick": args.quick, "repeats": args.repeats,
+               "kv_dtype": "f16 (all but edgefinfer batch-invariant: f32)",
+               "flash_attn": f"{args.flash_attn} (all but edgefinfer batch-invariant: off)",
+               "uptime_before": uptime_before, "uptime_after": _uptime(),
                "llama_server": {"binary": str(binary), "slots": SLOTS, "slot_ctx": SLOT_CTX,
                                 "flags": (binary.parent / "flags.txt").read_text().strip()
                                 if (binary.parent / "flags.txt").is_file() else None},
