@@ -13,9 +13,9 @@ edgefinfer cache and pip's wheel cache warm, then the same build again (an artef
 4. `--ci`: `bash .ci/run` in the clone (`make test`), wall time.
 
 Writes bench/results/first_run.json: `cold_build_s`, `cached_build_s`, `demo_s`, `ci_s` (null without
---ci), `ppl_delta_pct` (the demo bundle's, measured by ExecuTorch), `parts_s`, `cache_hit`, and the
-`uptime` load before and after (a busy host slows every part). It takes 30+ minutes on 2 cores: run it
-on an otherwise idle machine.
+--ci), `ppl_delta_pct` (the demo bundle's, measured by ExecuTorch), `parts_s` and `cached_parts_s`,
+`cache_hit`, and the `uptime` load before and after (a busy host slows every part). It takes 30+
+minutes on 2 cores: run it on an otherwise idle machine.
 """
 
 from __future__ import annotations
@@ -85,7 +85,8 @@ def said_reused(lines: Sequence[Line]) -> bool:
     return any(REUSED in line for _, line in lines)
 
 
-def results(*, demo_s: float, parts: dict, cached_build_s: float, cache_hit: bool, ci_s: float | None,
+def results(*, demo_s: float, parts: dict, cached_build_s: float, cached_parts: dict, cache_hit: bool,
+            ci_s: float | None,
             ppl_delta_pct: float | None, uptime_before: str, uptime_after: str, commit: str) -> dict:
     """The results file's payload (the keys issue 30's goals name first)."""
     return {
@@ -96,6 +97,7 @@ def results(*, demo_s: float, parts: dict, cached_build_s: float, cache_hit: boo
         "ppl_delta_pct": ppl_delta_pct,
         "cache_hit": cache_hit,
         "parts_s": parts,
+        "cached_parts_s": cached_parts,  # install_s here: the interpreter's start and imports
         "uptime_before": uptime_before,
         "uptime_after": uptime_after,
         "commit": commit,
@@ -162,7 +164,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             ci_s, ci_lines, rc = timed(["bash", ".ci/run"], clone, env)
             _check("bash .ci/run", rc, ci_lines)
         payload = results(demo_s=demo_s, parts=build_parts(demo_lines), cached_build_s=again_s,
-                          cache_hit=said_reused(again_lines), ci_s=ci_s, ppl_delta_pct=_ppl_delta(clone / DEMO_BUNDLE),
+                          cached_parts=build_parts(again_lines), cache_hit=said_reused(again_lines), ci_s=ci_s,
+                          ppl_delta_pct=_ppl_delta(clone / DEMO_BUNDLE),
                           uptime_before=before, uptime_after=uptime(), commit=commit)
         payload["machine"] = machine()
     finally:

@@ -44,14 +44,15 @@ def test_output_without_build_lines_leaves_the_parts_unknown():
 
 def test_the_results_file_has_the_goal_keys_and_is_written_whole(tmp_path):
     payload = first_run.results(demo_s=790.04, parts=first_run.build_parts(DEMO), cached_build_s=41.26,
-                                cache_hit=True, ci_s=None, ppl_delta_pct=1.87, uptime_before="load average: 0.1",
+                                cached_parts=first_run.build_parts(DEMO[1:]), cache_hit=True, ci_s=None,
+                                ppl_delta_pct=1.87, uptime_before="load average: 0.1",
                                 uptime_after="load average: 2.0", commit="abc")
     path = first_run.write_json(tmp_path / "results" / "first_run.json", payload)
     got = json.loads(path.read_text())
     assert {"cold_build_s", "cached_build_s", "demo_s", "ci_s", "ppl_delta_pct", "parts_s", "uptime_before",
             "uptime_after"} <= set(got)
     assert got["cold_build_s"] == 460.0 and got["cached_build_s"] == 41.3 and got["demo_s"] == 790.0
-    assert got["ci_s"] is None and got["parts_s"]["lower_s"] == 370.0
+    assert got["ci_s"] is None and got["parts_s"]["lower_s"] == 370.0 and got["cached_parts_s"]["install_s"] == 300.0
     assert [p.name for p in path.parent.iterdir()] == ["first_run.json"]  # no temporary left beside it
 
 
