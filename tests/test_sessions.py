@@ -22,7 +22,7 @@ CTX = 256
 WINDOW = dict(window=24, num_sinks=2, lookahead=8)
 TURNS = ["Hello there", "How are you today?", "Tell me a story about a cat."]
 STATIC = ["torch", "torch-paged", "executorch", "onnxruntime", "llamacpp"]
-WINDOWED = ["torch-window", "executorch-window", "onnxruntime-window"]
+WINDOWED = ["torch-window", "executorch-window", "onnxruntime-window", "llamacpp-window"]
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,8 @@ def load(root, name: str) -> Engine:
           "torch-window": ("hf", "torch", f"window:{WINDOW['window']},sinks:{WINDOW['num_sinks']}"),
           "executorch": ("pte/model.pte", None, None), "executorch-window": ("ptew/model.pte", None, None),
           "onnxruntime": ("onnx", None, None), "onnxruntime-window": ("onnxw", None, None),
-          "llamacpp": ("gguf/model.gguf", None, None)}[name]
+          "llamacpp": ("gguf/model.gguf", None, None),
+          "llamacpp-window": ("gguf/model.gguf", None, f"window:{WINDOW['window']},sinks:{WINDOW['num_sinks']}")}[name]
     return Engine.load(root / kw[0], backend=kw[1], kv=kw[2], max_seq_len=None if "window" in name else CTX)
 
 
@@ -141,7 +142,7 @@ def test_speculative_and_structured_output_inside_a_session(artefacts, name):
     assert fast.last.reused_tokens > 0
 
 
-@pytest.mark.parametrize("name", STATIC + ["torch-window", "onnxruntime-window"])
+@pytest.mark.parametrize("name", STATIC + ["torch-window", "onnxruntime-window", "llamacpp-window"])
 def test_a_saved_session_continues_with_the_live_sessions_tokens(artefacts, tmp_path, name):
     live = load(artefacts, name).session()
     turn(live, TURNS[0], 1)

@@ -122,3 +122,5 @@ class LlamaCppBackend:
             self.ctx.remove(_SEQ)
             raise UserError(f"llama.cpp refused the saved cache ({e}); the file does not fit this model") from None
         self._n_tokens = length
+        if self.window is not None:  # where `_chunk_len` had evicted to after feeding position length - 1
+            self._evicted_to = length - self.window if length > self.num_sinks + self.window else 0
