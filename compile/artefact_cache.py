@@ -125,10 +125,17 @@ class ArtefactCache:
     """One store for every target's expensive step. `say` gets the one-line notes (hit, discarded
     entry, cache disabled)."""
 
+    # Why writes to a root stopped, after its first failure: for the whole process, so that a build whose
+    # steps each open the cache (float score, quantized model, artefact) warns once, not once per step.
+    _disabled: dict[Path, str] = {}
+
     def __init__(self, root: str | Path | None = None, say: Say = _stderr):
         self.root = Path(root) if root is not None else default_root()
         self.say = say
-        self.disabled: str | None = None  # why writes stopped, after the first failure
+
+    @property
+    def disabled(self) -> str | None:
+        return self._disabled.get(self.root)
 
     def get(self, kind: str, key: str) -> Entry | None:
         """The entry, or None when absent, unreadable or damaged (a damaged one is removed)."""
@@ -163,8 +170,8 @@ class ArtefactCache:
                     record["files"][name] = {"size": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
                 (tmp / ENTRY_FILE).write_text(json.dumps(record, indent=1))
         except (OSError, UserError) as e:  # UserError: atomic_dir's full-disk line
-            self.disabled = str(e).splitlines()[0] if str(e) else type(e).__name__
-            self.say(f"[cache] warning: cannot write the artefact cache at {self.root} ({self.disabled}); "
+            reason = self._disabled[self.root] = str(e).splitlines()[0] if str(e) else type(e).__name__
+            self.say(f"[cache] warning: cannot write the artefact cache at {self.root} ({reason}); "
                      f"going on without it (set EDGEFINFER_CACHE to a writable folder with free space)")
             return False
         return True
