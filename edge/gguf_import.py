@@ -443,6 +443,15 @@ def dequantize(tensor: Any) -> np.ndarray:
     return np.require(np.asarray(data, dtype=np.float32), requirements=["C", "W"]).reshape(shape)
 
 
+def _fused_parts(g: GGUFFile, config: ModelConfig, m: re.Match | None) -> tuple[str, ...]:
+    """Our parameter names inside Phi-3's fused tensor matched by `m` (blk.N.NAME); () for any other."""
+    if config.family.gguf_arch != "phi3" or m is None or m[2] not in FUSED_TENSORS:
+        return ()
+    if m[2] == "ffn_up.weight" and f"blk.{m[1]}.ffn_gate.weight" in g.tensors:
+        return ()  # gate and up stored apart
+    return FUSED_TENSORS[m[2]]
+
+
 def state_dict_from_gguf(g: GGUFFile, config: ModelConfig) -> dict[str, torch.Tensor]:
     """All weights as fp32 tensors under our parameter names: q/k un-permuted for the architectures
     llama.cpp rotates in interleaved pairs, Phi-3's fused qkv and gate|up split into their parts."""
@@ -453,8 +462,7 @@ def state_dict_from_gguf(g: GGUFFile, config: ModelConfig) -> dict[str, torch.Te
         if tensor.name in _ROPE_TENSORS:
             continue  # read into the config's rope_scaling
         m = _LAYER_NAME.fullmatch(tensor.name)
-        if arch == "phi3" and m and m[2] in FUSED_TENSORS and not (m[2] == "ffn_up.weight"
-                                                                 and f"blk.{m[1]}.ffn_gate.weight" in g.tensors):
+        if _fused_parts(g, config, m):
             w = dequantize(tensor)
             q, kv = config.num_attention_heads * config.dim_per_head, config.num_key_value_heads * config.dim_per_head
             sizes = (q, kv, kv) if m[2] == "attn_qkv.weight" else (config.intermediate_size,) * 2
@@ -595,7 +603,7 @@ def convert_gguf(path: str | Path, out_dir: str | Path, source: dict[str, Any] |
     model, tokenizer = _import(g)
     if tokenizer.chat_template is None:
         tokenizer.chat_template = chat_template
-    recorded = {**(source or {}), "gguf_type": file_type(g)}
+    recorded = {**(source or {}), "gguf_type": file_type(g), "tensor_types": tensor_types(g, model.config)}
     with tempfile.TemporaryDirectory() as tok_dir:
         tokenizer.save(tok_dir)
         return save_model(model, out_dir, tokenizer_dir=tok_dir,
@@ -603,6 +611,35 @@ def convert_gguf(path: str | Path, out_dir: str | Path, source: dict[str, Any] |
 
 
 SOURCE_FILE = "source.json"
+# Bits per weight of the ggml types a converted weight can come from (the grid's own, scales aside).
+TYPE_BITS = {"F32": 32, "F16": 16, "BF16": 16, "Q8_0": 8, "Q8_1": 8, "Q8_K": 8, "Q6_K": 6, "Q5_0": 5, "Q5_1": 5,
+             "Q5_K": 5, "Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "IQ4_NL": 4, "IQ4_XS": 4, "Q3_K": 3, "Q2_K": 2}
+
+
+def tensor_types(g: GGUFFile, config: ModelConfig) -> dict[str, str]:
+    """Module name -> the ggml type its weight matrix was stored in (2-D weights only; Phi-3's fused
+    tensors give each part the type of the whole)."""
+    types = {}
+    for tensor in g.reader.tensors:
+        m = _LAYER_NAME.fullmatch(tensor.name)
+        if len(tensor.shape) != 2:
+            continue
+        parts = _fused_parts(g, config, m)
+        names = [f"model.layers.{m[1]}.{part}" for part in parts] or [hf_tensor_name(tensor.name, config.sandwich_norms)]
+        for name in names:
+            if name is not None and name.endswith(".weight"):
+                types[name.removesuffix(".weight")] = tensor.tensor_type.name
+    return types
+
+
+def source_tensor_bits(folder: str | Path) -> dict[str, int]:
+    """Module name -> bits per weight its matrix had in the GGUF a HF folder was converted from (empty:
+    not from a GGUF, or unrecorded): a re-quantization should not go below them."""
+    try:
+        types = json.loads((Path(folder) / SOURCE_FILE).read_text()).get("tensor_types") or {}
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return {name: TYPE_BITS[t] for name, t in types.items() if isinstance(t, str) and t in TYPE_BITS}
 
 
 def source_gguf_type(folder: str | Path) -> str | None:

@@ -20,7 +20,7 @@ from edgefinfer import gguf_import
 from edgefinfer.checkpoint import load_model
 from edgefinfer.config import ModelConfig
 from edgefinfer.errors import UserError
-from edgefinfer.gguf_import import convert_gguf, import_gguf, source_gguf_type, unpermute_qk
+from edgefinfer.gguf_import import convert_gguf, import_gguf, source_gguf_type, source_tensor_bits, unpermute_qk
 from edgefinfer.model import Transformer
 from edgefinfer.tokenizer import Tokenizer
 
@@ -324,8 +324,15 @@ def test_convert_gguf_writes_a_folder_that_loads_back(tmp_path, vocab, ids):
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "source.json",
                                                       "tokenizer.json", "tokenizer_config.json"]
     # The GGUF's grid is recorded: a llama.cpp build re-quantizes onto it by default.
-    assert json.loads((out / "source.json").read_text()) == {"name": "tiny", "gguf_type": "q8_0"}
+    recorded = json.loads((out / "source.json").read_text())
+    assert {k: recorded[k] for k in ("name", "gguf_type")} == {"name": "tiny", "gguf_type": "q8_0"}
     assert source_gguf_type(out) == "q8_0" and source_gguf_type(tmp_path) is None
+    # and each matrix's own type, under our module names: a re-quantization keeps at least its bits
+    assert recorded["tensor_types"]["model.layers.0.self_attn.q_proj"] == "Q8_0"
+    assert set(recorded["tensor_types"]) == {n.removesuffix(".weight") for n, t in model.state_dict().items()
+                                             if t.dim() == 2 and not (n == "lm_head.weight"
+                                                                      and model.config.tie_word_embeddings)}
+    assert source_tensor_bits(out)["model.layers.1.mlp.down_proj"] == 8 and source_tensor_bits(tmp_path) == {}
     loaded, loaded_tok = load_model(out), Tokenizer.from_dir(out)
     np.testing.assert_array_equal(our_logits(loaded, ids), our_logits(model, ids))
     assert loaded_tok.encode(VARIED_TEXT, add_special_tokens=True) == tok.encode(VARIED_TEXT, add_special_tokens=True)

@@ -120,6 +120,9 @@ def build(opts: BuildOptions) -> Path:
     done((f": {float_ppl:.3f}" if float_ppl else "") + (" (reused the artefact cache)" if reused else ""))
 
     recipe = opts.recipe or default_recipe(target, folder)
+    # A default recipe re-quantizes no matrix below the bits its source GGUF gave it (an explicit one is
+    # taken as it is, and a quality budget measures its candidates anyway).
+    kept = source_precision(folder, recipe) if opts.recipe is None and opts.quality_budget is None else {}
     if prequantized is not None:  # `edgefinfer quantize` already chose: export those codes as they are
         if opts.recipe or opts.quality_budget is not None:
             raise UserError(f"{folder} is already quantized ({prequantized}); drop --recipe/--quality-budget "
@@ -135,7 +138,10 @@ def build(opts: BuildOptions) -> Path:
         if prequantized is None:
             done = log.step(3, n_steps, f"quantize ({recipe})")
             check_recipe(model, target, recipe)
-            quantized = quantize_for(model, target, recipe, tokenizer)
+            if kept:
+                print(f"  {len(kept)} matrices stay at 8 bits: the GGUF the weights came from stored them with "
+                      "more bits than the recipe's", file=sys.stderr)
+            quantized = quantize_for(model, target, recipe, tokenizer, kept)
         candidates = iter([(recipe, quantized)])
     recipe, quantized = next(candidates, (None, None))
     if recipe is None:
@@ -179,6 +185,8 @@ def build(opts: BuildOptions) -> Path:
                                   "quality_budget_pct": opts.quality_budget}
         if tried:
             writer.manifest.recipe["candidates"] = [c.to_dict() for c in tried]
+        if kept:
+            writer.manifest.recipe["source_precision"] = {name: fmt.to_dict() for name, fmt in sorted(kept.items())}
         writer.manifest.metrics = {"float_ppl": float_ppl, "eval_tokens": len(test_ids),
                                    "eval_split": "test", **figures, "build_s": round(build_s, 1)}
         bundle = writer.commit()
@@ -280,16 +288,39 @@ def _float_perplexity(model, test_ids: list[int], window: int, prefix: list[int]
     return figures["ppl"], reused
 
 
-def quantize_for(model, target: Target, recipe: str, tokenizer):
-    """The model as the exporter should see it: quantized by our recipes, or float. What comes back
-    is what the artefact computes (the exporters re-pack quantized layers without re-quantizing), so
-    its eager perplexity is the artefact's up to the runtime's float arithmetic."""
+def source_precision(folder: Path, recipe: str) -> dict[str, Any]:
+    """Module -> the 8-bit format for each matrix that the GGUF the weights were converted from stored
+    above `recipe`'s bits (Gemma 3 270M's Q4_K_M: Q5_0 where a row of 640 fits no K-quant, Q6_K and Q8_0
+    beside Q4_K). Re-rounding a 5- or 6-bit grid to 4 bits loses what the source kept; per-channel int8
+    is what both the XNNPACK and the MatMulNBits exports take beside 4-bit layers. Empty for recipes
+    outside our integer grammar and for models not converted from a GGUF."""
+    from edgefinfer.compile.quant.recipe import WeightFormat, parse_recipe
+    from edgefinfer.gguf_import import source_tensor_bits
+
+    bits = source_tensor_bits(folder)
+    if not bits or recipe in FLOAT_RECIPES or recipe.startswith(("qdq-", LLAMACPP_PREFIX)):
+        return {}
+    weights = parse_recipe(recipe).weights
+    if weights.kind != "int":
+        return {}
+    int8 = WeightFormat(kind="int", bits=8, group_size=None, symmetric=True)
+    return {name: int8 for name, b in bits.items()
+            if b > weights.bits and name not in ("model.embed_tokens", "lm_head")}  # those: the recipe's -emb
+
+
+def quantize_for(model, target: Target, recipe: str, tokenizer, overrides: dict[str, Any] | None = None):
+    """The model as the exporter should see it: quantized by our recipes (with per-module `overrides`
+    of their formats), or float. What comes back is what the artefact computes (the exporters re-pack
+    quantized layers without re-quantizing), so its eager perplexity is the artefact's up to the
+    runtime's float arithmetic."""
     if recipe in FLOAT_RECIPES or recipe.startswith("qdq-") or recipe.startswith(LLAMACPP_PREFIX):
         return model  # exporters handle float, Core ML fp16, QNN QDQ and llama.cpp's quantizer themselves
     from edgefinfer.compile.quant.apply import quantize_model
     from edgefinfer.compile.quant.recipe import parse_recipe
 
     parsed = parse_recipe(recipe)
+    if overrides:
+        parsed = parsed.with_overrides(overrides)
     calib = None
     if parsed.method != "rtn":
         from edgefinfer.app.quantize_command import default_calibration
@@ -311,7 +342,7 @@ def _cached_quantization(model, recipe, calib, quantize: Callable) -> Any:
     from edgefinfer.compile.quant.checkpoint import load_quantized, save_quantized
 
     store, files = ArtefactCache(), ("config.json", "model.safetensors")
-    key = content_key("quantized", model, {"recipe": recipe.name, "calibration": calib},
+    key = content_key("quantized", model, {"recipe": recipe.to_dict(), "calibration": calib},
                       sorted(Path(quant.__file__).parent.glob("*.py")))
     if (entry := store.get("quantized", key)) is not None:
         print(f"  [cache] reused the quantized model {key[:12]}", file=sys.stderr)
