@@ -35,7 +35,7 @@ def main() -> None:
     from edgefinfer.bundle import load_manifest
     from edgefinfer.data import cache_dir, load_text
     from edgefinfer.tokenizer import Tokenizer
-    from onnx_vs_genai import build_genai
+    from onnx_vs_genai import genai_int4
 
     folder = reference.pull("smollm2-135m")
     bundle = Path(args.bundle)
@@ -45,10 +45,7 @@ def main() -> None:
     manifest = load_manifest(bundle)
     pte, recipe = bundle / manifest.artefact("model").path, manifest.artefact("model").recipe
     work = cache_dir() / "bench" / "runtime"
-    genai = work / "genai-int4"
-    if not (genai / "genai_config.json").is_file():
-        print("[android_speed] building onnxruntime-genai int4 ...", file=sys.stderr, flush=True)
-        build_genai(folder, genai, 32, work / "genai-cache")
+    genai = genai_int4(folder, work)
     prompt_file = work / "prompt-android-speed.json"
     prompt_file.parent.mkdir(parents=True, exist_ok=True)
     prompt_file.write_text(json.dumps(Tokenizer.from_dir(folder).encode(load_text("test"))[:128]))

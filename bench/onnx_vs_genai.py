@@ -61,6 +61,15 @@ def build_genai(hf_dir: Path, out: Path, block_size: int, cache: Path) -> float:
     return time.perf_counter() - t0
 
 
+def genai_int4(hf_dir: Path, work: Path) -> Path:
+    """onnxruntime-genai's own int4 model (block 32) of `hf_dir` in work/genai-int4, built once."""
+    out = work / "genai-int4"
+    if not (out / "genai_config.json").is_file():
+        print(f"[bench] building onnxruntime-genai's int4 model of {hf_dir.name} ...", file=sys.stderr, flush=True)
+        build_genai(hf_dir, out, 32, work / "genai-cache")
+    return out
+
+
 def decode_ours(folder: Path, prompt: list[int], n: int, threads: int) -> tuple[list[float], list[float], list[int]]:
     from edgefinfer.runtime.backends.ort import OrtBackend
 
