@@ -26,14 +26,13 @@ TOKENS = 12
 DIGITS = "[0-9]{5}"
 
 
-# llama.cpp picks Phi-3's long or short RoPE factors by the context it was created with (per sequence, or
-# the whole pool when the KV cells are unified): `run` sizes it by --max-seq-len, `serve`'s unified pool by
-# every slot together, so the same file decodes with other factors. Kept strict: it fails once fixed.
-LONGROPE_SPLIT = pytest.mark.xfail(strict=True, reason="run and serve give llama.cpp contexts on either side "
-                                   "of Phi-3's original length, so they pick different longrope factors")
+# llama.cpp picks Phi-3's long or short RoPE factors by the context it was created with: per sequence
+# (`run`'s --max-seq-len, `serve --batch-invariant`'s --max-model-len), or the whole pool when the cells are
+# unified (serve's default, as llama-server's). So both sides get the same per-sequence context here.
+MAX_LEN = 64
 
 
-@pytest.fixture(scope="module", params=[pytest.param(n, marks=LONGROPE_SPLIT) if n == "phi3" else n for n in NAMES])
+@pytest.fixture(scope="module", params=NAMES)
 def gguf_file(request, tmp_path_factory):
     from edgefinfer.checkpoint import load_model
     from edgefinfer.compile.gguf_export import export_gguf
@@ -54,15 +53,16 @@ def test_run_and_serve_agree_on_every_family(gguf_file):
     from edgefinfer.server_gpu.loader import ServeOptions, build_engine
     from edgefinfer.structured import Constraint
 
-    runtime = Engine.load(gguf_file, threads=1)
+    runtime = Engine.load(gguf_file, threads=1, max_seq_len=MAX_LEN)
     expect = runtime.generate(PROMPT, max_tokens=TOKENS)
     assert expect.token_ids  # something was generated to compare
-    lookup = Engine.load(gguf_file, speculative="lookup:2,3", threads=1).generate(PROMPT, max_tokens=TOKENS)
+    lookup = Engine.load(gguf_file, speculative="lookup:2,3", threads=1, max_seq_len=MAX_LEN).generate(
+        PROMPT, max_tokens=TOKENS)
     assert (lookup.token_ids, lookup.finish_reason) == (expect.token_ids, expect.finish_reason)
     digits = runtime.generate(PROMPT, max_tokens=TOKENS, response_format=Constraint.regex(DIGITS))
     assert re.fullmatch(DIGITS, digits.text), digits.text
 
-    engine, name = build_engine(ServeOptions(str(gguf_file), max_num_seqs=2, max_model_len=64, threads=1,
+    engine, name = build_engine(ServeOptions(str(gguf_file), max_num_seqs=2, max_model_len=MAX_LEN, threads=1,
                                              batch_invariant=True))
     with BackgroundServer(create_app(engine, name)) as srv:
         body = {"model": name, "prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0}
