@@ -462,6 +462,9 @@ def main() -> None:
                          "on this CPU, and it is the faster setting for every server here)")
     ap.add_argument("--out", default="server")
     args = ap.parse_args()
+    # A SIGTERM (`timeout`, CI) unwinds like Ctrl-C, so the server processes below are stopped too: each
+    # runs in its own session, and a benchmark killed outright left them serving (and loading the host).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     from bench.peers import llama_server
     from edgefinfer import reference
