@@ -28,7 +28,7 @@ def smollm2_dir() -> Path:
 # Other skips (no GPU, no SDK, a platform) stay skips.
 _DEV_DEPENDENCIES = ("executorch", "gguf", "llama-cpp-python", "llama-cpp", "fastapi", "uvicorn", "schemathesis",
                      "hypothesis", "onnxruntime-genai", "onnxruntime-qnn", "onnxruntime", "onnxscript", "onnx",
-                     "transformers", "torchao", "openai", "httpx", "jsonschema", "rdata")
+                     "transformers", "torchao", "openai", "httpx", "jsonschema", "rdata", "ray")
 _NAMED = re.compile(r"(?<![\w.-])(" + "|".join(sorted(map(re.escape, _DEV_DEPENDENCIES), key=len, reverse=True))
                     + r")(?![\w-])")
 _MODULES = {"llama-cpp-python": "llama_cpp", "llama-cpp": "llama_cpp"}

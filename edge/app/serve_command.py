@@ -6,7 +6,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 import sys
 
 import click
@@ -71,6 +73,11 @@ from edgefinfer.app.entry_point import run_command
               help="On SIGTERM: new requests get 503 and running ones may finish for this long; then the rest "
                    "end with finish_reason 'abort' and the process exits 0. Keep it under the orchestrator's "
                    "kill timeout (Kubernetes: 30 s).")
+@click.option("--replicas", type=int, default=None,
+              help="Run N engine replicas on Ray Serve behind this endpoint, routed by prompt prefix (each with "
+                   "--threads threads; needs edgefinfer[replicas]). See docs/SERVER.md.")
+@click.option("--address", default=None, help="With --replicas: the Ray cluster to join (ray://HOST:PORT); "
+                                               "default: start a local Ray instance.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 def serve(model: str, backend: str | None, host: str, port: int, max_num_seqs: int, max_model_len: int,
@@ -79,7 +86,8 @@ def serve(model: str, backend: str | None, host: str, port: int, max_num_seqs: i
           retain_tokens: int | None, preemption: str, kv_dtype: str | None, flash_attn: bool | None,
           batch_invariant: bool, gpu_layers: int, device: str,
           threads: int | None, speculative: str | None, fixed_k: bool, served_model_name: str | None,
-          api_key: str | None, max_body_bytes: int, shutdown_grace_s: float, log_level: str) -> None:
+          api_key: str | None, max_body_bytes: int, shutdown_grace_s: float, replicas: int | None, address: str | None,
+          log_level: str) -> None:
     """Serve MODEL (a .gguf, a bundle, a HF folder, or a shipped model name) with an OpenAI-compatible API."""
     from edgefinfer.server_gpu.api import ServerLimits, create_app
     from edgefinfer.server_gpu.launch import serve_forever
@@ -96,6 +104,14 @@ def serve(model: str, backend: str | None, host: str, port: int, max_num_seqs: i
                         flash_attn=flash_attn, kv_dtype=kv_dtype, threads=threads, gpu_layers=gpu_layers,
                         device=device, speculative=speculative, adaptive_speculation=not fixed_k,
                         served_model_name=served_model_name, preemption=preemption)
+    if replicas is not None or address is not None:  # Ray only here: one process never imports it
+        from edgefinfer.server_gpu import replica_launch as rl
+        n = 1 if replicas is None else replicas
+        rl.preflight(n, address)
+        per = threads or max(1, (os.cpu_count() or 1) // n)
+        spec = rl.ReplicaSpec(dataclasses.replace(opts, threads=per), api_key,
+                              ServerLimits(max_body_bytes=max_body_bytes))
+        return rl.serve_replicas(spec, n, per, address, host, port, shutdown_grace_s)
     engine, name = build_engine(opts)
     app = create_app(engine, name, api_key=api_key, limits=ServerLimits(max_body_bytes=max_body_bytes))
     click.echo(f"serving {name} ({engine.executor.describe()['backend']}) on http://{host}:{port}/v1", err=True)

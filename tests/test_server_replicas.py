@@ -1,0 +1,239 @@
+"""`edgefinfer serve --replicas` (issue 32 items 1-3): the real CLI on a real local Ray instance on 127.0.0.1,
+2 replicas of 1 thread each on the tiny GGUF, against the single-process server for the same text; prefix
+routing read back from the per-replica metrics; a replica killed under load; the bad-input lines.
+Ray starts once for the module (tens of seconds on 2 cores)."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("llama_cpp")
+pytest.importorskip("ray.serve")
+psutil = pytest.importorskip("psutil")
+
+from edgefinfer.server_gpu import prefix_router  # noqa: E402
+from edgefinfer.server_gpu.api import create_app  # noqa: E402
+from edgefinfer.server_gpu.launch import BackgroundServer  # noqa: E402
+from edgefinfer.server_gpu.loader import ServeOptions, build_engine  # noqa: E402
+from tests.server_harness import ROOT, tiny_gguf, wait_healthy  # noqa: E402
+
+pytestmark = [pytest.mark.llamacpp]
+
+SERVE = [sys.executable, "-m", "edgefinfer.app.serve_command"]
+FLAGS = ["--max-num-seqs", "4", "--max-model-len", "512", "--batch-invariant", "--log-level", "warning"]
+# 94 tokens on the tiny vocabulary, over the 4 blocks of 16 that the routing key hashes: shared text only.
+SHARED = "You are a careful assistant. " + " ".join(["answer every question with the facts you know"] * 3)
+PROMPTS = ["hello world", "the quick brown fox", "once upon a time there was"]
+
+
+@pytest.fixture(scope="module")
+def gguf(tmp_path_factory) -> str:
+    return str(tiny_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cluster(gguf, tmp_path_factory):
+    """`edgefinfer serve GGUF --replicas 2 --threads 1` in its own process (its own local Ray)."""
+    port = _free_port()
+    log = tmp_path_factory.mktemp("replicas") / "serve.log"
+    with open(log, "w") as out:  # a file, not a pipe: nobody reads Ray's chatter while the tests run
+        proc = subprocess.Popen([*SERVE, gguf, "--replicas", "2", "--threads", "1", "--port", str(port), *FLAGS],
+                                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc, timeout=150)
+    except RuntimeError:
+        proc.kill()
+        pytest.fail(f"serve --replicas did not come up: {log.read_text()[-2000:]}")
+    yield url, proc
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+
+
+@pytest.fixture(scope="module")
+def single(gguf):
+    engine, name = build_engine(ServeOptions(gguf, max_num_seqs=4, max_model_len=512, threads=1, batch_invariant=True))
+    with BackgroundServer(create_app(engine, name)) as srv:
+        srv.name = name
+        yield srv
+
+
+def _complete(url: str, prompt: str, max_tokens: int = 12, stream: bool = False) -> httpx.Response:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
+    return httpx.post(url + "/v1/completions", json=body, timeout=60)
+
+
+def _streamed_text(resp: httpx.Response) -> str:
+    events = [json.loads(line[6:]) for line in resp.text.splitlines() if line.startswith("data: {")]
+    return "".join(e["choices"][0]["text"] for e in events)
+
+
+def _replica_counts(url: str) -> dict[str, int]:  # what each replica last reported
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return {m[1]: int(m[2]) for m in re.finditer(r'edgefinfer_replica_requests_total\{replica="([^"]+)"\} (\d+)', text)}
+
+
+def _metric(url: str, name: str) -> float:
+    return float(re.search(rf"^edgefinfer_{name} (\S+)$", httpx.get(url + "/metrics", timeout=30).text, re.M)[1])
+
+
+# ------------------------------------------------------------------------------------------ item 1
+def test_same_greedy_text_as_one_process(cluster, single):
+    url, _ = cluster
+    for prompt in PROMPTS:
+        ref = _complete(single.url, prompt).json()["choices"][0]["text"]
+        assert _complete(url, prompt).json()["choices"][0]["text"] == ref
+        streamed = _complete(url, prompt, stream=True)
+        assert streamed.headers["content-type"].startswith("text/event-stream")
+        assert streamed.text.rstrip().endswith("data: [DONE]")
+        assert _streamed_text(streamed) == ref
+
+
+def test_errors_and_routes_are_the_single_servers(cluster, single):
+    url, _ = cluster
+    for path, body in (("/v1/completions", {"model": "tiny", "prompt": "", "max_tokens": 4}),
+                       ("/v1/completions", {"model": "nope", "prompt": "hi"}),
+                       ("/v1/chat/completions", {"model": "tiny", "messages": []})):
+        ours, ref = (httpx.post(u + path, json=body, timeout=60) for u in (url, single.url))
+        assert (ours.status_code, ours.json()) == (ref.status_code, ref.json())
+    assert httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"] == "tiny"
+    assert httpx.get(url + "/health", timeout=30).status_code == 200
+    assert _metric(url, "replicas") == 2
+
+
+# ------------------------------------------------------------------------------------------ item 2
+def test_shared_prefix_lands_on_one_replica(cluster):
+    url, _ = cluster
+    before = _replica_counts(url)
+    for tail in ("first question", "second question", "a third one", "and the fourth", "fifth", "sixth"):
+        assert _complete(url, f"{SHARED} {tail}", max_tokens=4).status_code == 200
+    deadline = time.monotonic() + 15  # replicas report every 0.5 s
+    while sum((after := _replica_counts(url)).values()) < sum(before.values()) + 6 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    gained = sorted(after[r] - before.get(r, 0) for r in after)
+    assert gained == [0, 6], (before, after)  # one after another: no load spills them
+    assert 0 <= _metric(url, "cluster_prefix_cache_hit_rate") <= 1  # per-slot KV (--batch-invariant) keeps no prompt
+
+
+def test_cluster_hit_rate_pools_the_replicas_counters():
+    from edgefinfer.server_gpu.replicas import render_cluster_metrics
+
+    stats = [{"replica": r, "requests": n, "running": 0, "waiting": 0, "kv_usage": 0.0, "prefix_hits": h,
+              "prefix_queries": q} for r, n, h, q in (("a", 3, 90, 100), ("b", 1, 0, 300))]
+    text = render_cluster_metrics(stats)
+    assert "edgefinfer_cluster_prefix_cache_hit_rate 0.225\n" in text  # (90 + 0) / (100 + 300), not the mean
+    assert 'edgefinfer_replica_requests_total{replica="b"} 1\n' in text
+
+
+def test_routing_policy_is_consistent_and_load_bounded():
+    ids = list(range(100))
+    key = prefix_router.prefix_key(ids, 16)
+    assert key == prefix_router.prefix_key(ids[:64] + [7] * 30, 16)  # only the leading 4 blocks count
+    assert prefix_router.prefix_key(ids[:15], 16) is None
+    replicas = ["a", "b", "c"]
+    home = prefix_router.choose(key, replicas, {})[0]
+    assert prefix_router.choose(key, list(reversed(replicas)), {})[0] == home
+    # The home replica over the bound: the key's next replica takes it; with no key, the least loaded.
+    loads = {home: 10}
+    assert prefix_router.choose(key, replicas, loads)[0] != home
+    assert prefix_router.choose(None, replicas, {"a": 3, "b": 1, "c": 2})[0] == "b"
+    # A replica leaving moves only its own keys.
+    keys = [prefix_router.prefix_key([i] * 16, 16) for i in range(200)]
+    homes = {k: prefix_router.choose(k, replicas, {})[0] for k in keys}
+    moved = [k for k in keys if homes[k] != "c" and prefix_router.choose(k, ["a", "b"], {})[0] != homes[k]]
+    assert moved == []
+
+
+# ------------------------------------------------------------------------------------------ item 3
+def _engine_replicas(proc: subprocess.Popen) -> list[psutil.Process]:
+    kids = psutil.Process(proc.pid).children(recursive=True)
+    return [p for p in kids if "EngineReplica" in " ".join(p.cmdline())]
+
+
+async def _stream_outcome(client: httpx.AsyncClient, url: str, prompt: str) -> str:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 230, "temperature": 0, "stream": True}  # tiny: 256 ctx
+    async with client.stream("POST", url + "/v1/completions", json=body) as resp:
+        if resp.status_code != 200:
+            return "5xx" if resp.status_code >= 500 else f"status {resp.status_code}: {(await resp.aread())[:200]!r}"
+        events = [line async for line in resp.aiter_lines() if line.startswith("data: ")]
+    if any('"error"' in e for e in events):
+        return "error"
+    return "done" if events and events[-1] == "data: [DONE]" else f"truncated: {events[-2:]}"
+
+
+def test_killed_replica_ends_its_requests_cleanly_and_is_replaced(cluster):
+    url, proc = cluster
+    victims = _engine_replicas(proc)
+    assert len(victims) == 2
+
+    async def load() -> list[str]:
+        async with httpx.AsyncClient(timeout=90) as client:
+            tasks = [asyncio.create_task(_stream_outcome(client, url, f"{i} {p}")) for i in range(4) for p in PROMPTS]
+            await asyncio.sleep(0.5)
+            victims[0].kill()
+            return await asyncio.gather(*tasks)
+
+    outcomes = asyncio.run(asyncio.wait_for(load(), 120))  # nothing hangs
+    print(collections.Counter(outcomes))
+    assert set(outcomes) <= {"done", "error", "5xx"}, outcomes
+    assert "done" in outcomes  # the other replica's requests finished
+    deadline = time.monotonic() + 90  # Ray replaces the dead replica
+    while _metric(url, "replicas") < 2 or len(_engine_replicas(proc)) < 2:
+        assert time.monotonic() < deadline, "the killed replica was not replaced"
+        time.sleep(2)
+    assert all(_complete(url, p).status_code == 200 for p in PROMPTS)
+
+
+# ------------------------------------------------------------------------------------------ bad input
+def _bad(*args: str, prelude: str = "") -> subprocess.CompletedProcess:
+    code = f"import sys; {prelude}from edgefinfer.app.serve_command import main; sys.exit(main())"
+    return subprocess.run([sys.executable, "-c", code, "no-such-model.gguf", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60, env={**os.environ, "CI": ""})
+
+
+@pytest.mark.parametrize("args,prelude,says", [
+    (("--replicas", "0"), "", "give 1 or more replicas"),
+    (("--replicas", "2", "--address", "ray://127.0.0.1:9"), "", "no Ray cluster answers at ray://127.0.0.1:9"),
+    (("--replicas", "2"), "sys.modules['ray'] = None; ", "pip install 'edgefinfer[replicas]'"),
+])
+def test_bad_input_one_line_exit_2_before_the_model(args, prelude, says):
+    # The model does not exist: each error must come before the server looks for it.
+    r = _bad(*args, prelude=prelude)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0] and "Traceback" not in r.stderr, r.stderr
+
+
+def test_single_process_serve_never_imports_ray(gguf):
+    code = ("import sys\n"
+            "from edgefinfer.app import serve_command\n"
+            "from edgefinfer.server_gpu.api import create_app\n"
+            "from edgefinfer.server_gpu.loader import ServeOptions, build_engine\n"
+            f"engine, name = build_engine(ServeOptions({gguf!r}, max_num_seqs=2, max_model_len=64, threads=1))\n"
+            "create_app(engine, name)\n"
+            "assert 'ray' not in sys.modules, 'ray imported'\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
