@@ -65,6 +65,8 @@ def cluster(gguf, tmp_path_factory):
         proc.kill()
         pytest.fail(f"serve --replicas did not come up: {log.read_text()[-2000:]}")
     yield url, proc
+    if proc.poll() is not None:  # test_sigterm_drains_every_replica stopped it
+        return
     proc.send_signal(signal.SIGTERM)
     try:
         proc.wait(60)
@@ -237,3 +239,21 @@ def test_single_process_serve_never_imports_ray(gguf):
             "assert 'ray' not in sys.modules, 'ray imported'\n")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
+
+
+def test_sigterm_drains_every_replica(cluster):
+    """Last: it stops the module's cluster. Streams under way on both replicas finish; the process exits 0."""
+    url, proc = cluster
+
+    async def load() -> tuple[int, list[str]]:
+        async with httpx.AsyncClient(timeout=90) as client:
+            tasks = [asyncio.create_task(_stream_outcome(client, url, f"{i} {p}")) for i in range(2) for p in PROMPTS]
+            await asyncio.sleep(0.3)
+            running = sum(not t.done() for t in tasks)
+            proc.send_signal(signal.SIGTERM)
+            return running, await asyncio.gather(*tasks)
+
+    running, outcomes = asyncio.run(asyncio.wait_for(load(), 120))
+    assert running > 0  # the signal came while streams ran
+    assert outcomes == ["done"] * len(outcomes), outcomes
+    assert proc.wait(90) == 0
