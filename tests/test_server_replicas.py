@@ -36,6 +36,7 @@ SERVE = [sys.executable, "-m", "edgefinfer.app.serve_command"]
 FLAGS = ["--max-num-seqs", "4", "--max-model-len", "512", "--batch-invariant", "--log-level", "warning"]
 # 94 tokens on the tiny vocabulary, over the 4 blocks of 16 that the routing key hashes: shared text only.
 SHARED = "You are a careful assistant. " + " ".join(["answer every question with the facts you know"] * 3)
+KEY = {"authorization": "Bearer k"}  # the cluster runs with --api-key k; the single server ignores it
 PROMPTS = ["hello world", "the quick brown fox", "once upon a time there was"]
 
 
@@ -56,7 +57,8 @@ def cluster(gguf, tmp_path_factory):
     port = _free_port()
     log = tmp_path_factory.mktemp("replicas") / "serve.log"
     with open(log, "w") as out:  # a file, not a pipe: nobody reads Ray's chatter while the tests run
-        proc = subprocess.Popen([*SERVE, gguf, "--replicas", "2", "--threads", "1", "--port", str(port), *FLAGS],
+        proc = subprocess.Popen([*SERVE, gguf, "--replicas", "2", "--threads", "1", "--port", str(port), "--api-key", "k",
+                                 *FLAGS],
                                 cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -85,7 +87,7 @@ def single(gguf):
 
 def _complete(url: str, prompt: str, max_tokens: int = 12, stream: bool = False) -> httpx.Response:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
-    return httpx.post(url + "/v1/completions", json=body, timeout=60)
+    return httpx.post(url + "/v1/completions", json=body, headers=KEY, timeout=60)
 
 
 def _streamed_text(resp: httpx.Response) -> str:
@@ -119,9 +121,11 @@ def test_errors_and_routes_are_the_single_servers(cluster, single):
     for path, body in (("/v1/completions", {"model": "tiny", "prompt": "", "max_tokens": 4}),
                        ("/v1/completions", {"model": "nope", "prompt": "hi"}),
                        ("/v1/chat/completions", {"model": "tiny", "messages": []})):
-        ours, ref = (httpx.post(u + path, json=body, timeout=60) for u in (url, single.url))
+        ours, ref = (httpx.post(u + path, json=body, headers=KEY, timeout=60) for u in (url, single.url))
         assert (ours.status_code, ours.json()) == (ref.status_code, ref.json())
-    assert httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"] == "tiny"
+    assert httpx.get(url + "/v1/models", headers=KEY, timeout=30).json()["data"][0]["id"] == "tiny"
+    no_key = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "hi"}, timeout=60)
+    assert (no_key.status_code, no_key.json()["error"]["code"]) == (401, "invalid_api_key")
     assert httpx.get(url + "/health", timeout=30).status_code == 200
     assert _metric(url, "replicas") == 2
 
@@ -129,6 +133,7 @@ def test_errors_and_routes_are_the_single_servers(cluster, single):
 # ------------------------------------------------------------------------------------------ item 2
 def test_shared_prefix_lands_on_one_replica(cluster):
     url, _ = cluster
+    time.sleep(1.2)  # two report periods: earlier tests' requests are counted before we start
     before = _replica_counts(url)
     for tail in ("first question", "second question", "a third one", "and the fourth", "fifth", "sixth"):
         assert _complete(url, f"{SHARED} {tail}", max_tokens=4).status_code == 200
@@ -177,7 +182,7 @@ def _engine_replicas(proc: subprocess.Popen) -> list[psutil.Process]:
 
 async def _stream_outcome(client: httpx.AsyncClient, url: str, prompt: str) -> str:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 230, "temperature": 0, "stream": True}  # tiny: 256 ctx
-    async with client.stream("POST", url + "/v1/completions", json=body) as resp:
+    async with client.stream("POST", url + "/v1/completions", json=body, headers=KEY) as resp:
         if resp.status_code != 200:
             return "5xx" if resp.status_code >= 500 else f"status {resp.status_code}: {(await resp.aread())[:200]!r}"
         events = [line async for line in resp.aiter_lines() if line.startswith("data: ")]
