@@ -29,10 +29,12 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -137,15 +139,15 @@ GRID_RECIPES = ("llamacpp-q4_0", "int4-gptq-g32-sym-emb8", "llamacpp-q4_1", "int
                 "llamacpp-q4_k_m")
 
 
-def check_grids(out: Path, args) -> list[dict]:
-    """Each reference model x each 4-bit GGUF recipe: size and llama.cpp's perplexity on the test split."""
+def check_grids(out: Path, args, record: Callable[[dict], Any]) -> None:
+    """Each reference model x each 4-bit GGUF recipe: size and llama.cpp's perplexity on the test split,
+    each row passed to `record` as it is measured."""
     from edgefinfer import reference
     from edgefinfer.app.build import BuildOptions, build, default_recipe
     from edgefinfer.bundle import load_manifest
     from edgefinfer.gguf_import import source_gguf_type
     from edgefinfer.targets import get_target
 
-    rows = []
     for name in ("smollm2-135m", "gemma3-270m"):
         folder = reference.pull(name)
         default = default_recipe(get_target("gpu-server"), folder)
@@ -154,15 +156,15 @@ def check_grids(out: Path, args) -> list[dict]:
             bundle = build(BuildOptions(target="gpu-server", model=folder, recipe=recipe, out=out / f"{name}-{recipe}",
                                         eval_tokens=args.tokens, eval_window=args.window, threads=args.threads))
             manifest = load_manifest(bundle)
-            main = next(a for a in manifest.artefacts if a.role == "model")
-            m = main.metrics or {}
-            rows.append({"model": name, "source_grid": source_gguf_type(folder), "recipe": recipe,
-                         "default": recipe == default, "size_bytes": main.size, "ppl": m.get("ppl"),
-                         "float_ppl": (manifest.metrics or {}).get("float_ppl"), "ppl_delta_pct": m.get("ppl_delta_pct"),
-                         "build_s": round(time.perf_counter() - t, 1)})
-            print(json.dumps(rows[-1]), flush=True)
+            m = manifest.metrics or {}
+            row = {"model": name, "source_grid": source_gguf_type(folder), "recipe": recipe,
+                   "default": recipe == default, "ppl": m.get("ppl"),
+                   "size_bytes": sum(a.size for a in manifest.artefacts if a.role in ("model", "weights")),
+                   "float_ppl": m.get("float_ppl"), "ppl_delta_pct": m.get("ppl_delta_pct"),
+                   "build_s": round(time.perf_counter() - t, 1)}
+            print(json.dumps(row), flush=True)
+            record(row)
             shutil.rmtree(bundle)
-    return rows
 
 
 def check_speed(folder: Path, gguf: Path, bundles: list[dict], tok, args) -> dict:
@@ -229,8 +231,9 @@ def check_bundle(target: str, folder: Path, out: Path, float_ppl: dict, args) ->
     engine = Engine.load(bundle, threads=args.threads)
     reply = engine.generate(CHAT, chat=True, max_tokens=48).text
     completion = engine.generate(PLAIN, max_tokens=32).text
-    return {"target": target, "recipe": manifest.recipe["name"], "artefact": main.path, "size_bytes": main.size,
-            "build_s": build_s if build_s is not None else (main.metrics or {}).get("build_s"),
+    size = sum(a.size for a in manifest.artefacts if a.role in ("model", "weights"))  # .onnx + its data
+    return {"target": target, "recipe": manifest.recipe["name"], "artefact": main.path, "size_bytes": size,
+            "build_s": build_s if build_s is not None else (manifest.metrics or {}).get("build_s"),
             "reused_bundle": build_s is None, "ppl": ppl,
             "ppl_delta_pct": {s: round(100 * (ppl[s] / float_ppl[s] - 1), 2) for s in ppl},
             "decode_tok_s": (manifest.metrics or {}).get("decode_tok_s"),
@@ -267,11 +270,19 @@ def main() -> None:
               "versions": versions("executorch", "onnxruntime", "llama_cpp_python", "transformers"),
               "model": {"name": "gemma3-270m", "config": model.config.to_hf(), "gguf": str(gguf.name),
                         "weights_grid": "Q4_K_M (llama.cpp k-quants), dequantized to float32 on import"}}
+    out = Path(__file__).parent / "results" / f"{args.out}{'-quick' if args.quick else ''}.json"
+
+    def save() -> None:  # after every section: a long run stopped early keeps what it measured
+        result["machine"]["load_avg_at_end"] = [round(x, 2) for x in os.getloadavg()]
+        result["wall_s"] = round(time.perf_counter() - t0, 1)
+        out.write_text(json.dumps(result, indent=1) + "\n")
+
     with tempfile.TemporaryDirectory() as tmp:
         result["import"] = check_import(model, tok, gguf, Path(tmp))
         print(json.dumps(result["import"], indent=1), flush=True)
         result["tokenizer"] = check_tokenizer(tok, gguf)
         print(json.dumps(result["tokenizer"], indent=1), flush=True)
+        save()
         if not args.quick:
             with torch.no_grad():
                 float_ppl = heldout_ppl(lambda t: model(t), tok, args.tokens, args.window)
@@ -287,14 +298,14 @@ def main() -> None:
                     row = {"target": target, "refused": str(e)}
                 result["bundles"].append(row)
                 print(json.dumps(row, indent=1), flush=True)
+                save()
             if args.speed:
                 result["speed"] = check_speed(folder, gguf, result["bundles"], tok, args)
+                save()
             if args.grids:
-                result["grids"] = check_grids(Path(tmp), args)
-    result["machine"]["load_avg_at_end"] = [round(x, 2) for x in __import__("os").getloadavg()]
-    result["wall_s"] = round(time.perf_counter() - t0, 1)
-    out = Path(__file__).parent / "results" / f"{args.out}{'-quick' if args.quick else ''}.json"
-    out.write_text(json.dumps(result, indent=1) + "\n")
+                result["grids"] = []
+                check_grids(Path(tmp), args, lambda row: (result["grids"].append(row), save()))
+    save()
     print(f"wrote {out}")
 
 
