@@ -68,7 +68,8 @@ def content_key(kind: str, model: nn.Module, options: Mapping[str, Any], sources
     h.update(json.dumps(options, sort_keys=True, default=_option_text).encode())
     config = getattr(model, "config", None)
     if config is not None:
-        h.update(json.dumps(config.to_hf(), sort_keys=True, default=str).encode())
+        # Every field, not to_hf(): a test or exporter may hold a config no family writes (a window on Llama).
+        h.update(repr(config).encode())
     for name in TOOLS:
         h.update(f"{name}={_version(name)};".encode())
     for src in (*sources, __file__, artefact.__file__):  # artefact writes the programs' constant methods

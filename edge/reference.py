@@ -181,7 +181,8 @@ def _source(folder: Path) -> dict | None:
         return None
     if not isinstance(recorded, dict) or not (folder / "config.json").is_file():
         return None
-    recorded.pop("gguf_type", None)  # what the conversion read from the file, not what pull() asks for
+    for key in ("gguf_type", "tensor_types"):  # what the conversion read from the file, not what pull() asks for
+        recorded.pop(key, None)
     return recorded
 
 

@@ -158,7 +158,7 @@ def test_quality_budget_nobody_meets_fails_naming_the_best(tmp_path, tiny_dir, m
     (("--quality-budget", "5", "--eval-tokens", "0"), "--quality-budget needs an evaluation"),
     (("--recipe", "int4-g64"), "int4-g64-asym, which has no exact GGUF type"),
     (("--recipe", "int8"), "is int8-pc-sym, which has no exact GGUF type"),
-    (("--recipe", "llamacpp-q5"), "llama.cpp's quantizer makes GGUF files (gpu-server), with llamacpp-q4_1"),
+    (("--recipe", "llamacpp-q5"), "llama.cpp's quantizer makes GGUF files (gpu-server), with llamacpp-q4_0, llamacpp-q4_1"),
 ])
 def test_bad_budgets_and_recipes_without_a_gguf_type_fail_in_one_line(tmp_path, tiny_dir, args, message):
     proc = cli("build", "--target", "gpu-server", "--model", str(tiny_dir), "-o", str(tmp_path / "b"),

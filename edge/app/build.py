@@ -349,9 +349,14 @@ def _cached_quantization(model, recipe, calib, quantize: Callable) -> Any:
         return load_quantized(entry.files[files[0]].parent)[0]
     quantized = copy.deepcopy(model)
     quantize(quantized)
-    with tempfile.TemporaryDirectory(prefix="edgefinfer-quantized-") as tmp:
-        save_quantized(quantized, recipe, Path(tmp) / "q")
-        store.put("quantized", key, {name: Path(tmp) / "q" / name for name in files}, {"recipe": recipe.name})
+    try:
+        with tempfile.TemporaryDirectory(prefix="edgefinfer-quantized-") as tmp:
+            save_quantized(quantized, recipe, Path(tmp) / "q")
+            store.put("quantized", key, {name: Path(tmp) / "q" / name for name in files}, {"recipe": recipe.name})
+    except Exception as e:  # noqa: BLE001 (safetensors reports a full disk as its own error type)
+        # A cache that cannot be written is no cache, never a failed build.
+        print(f"  [cache] warning: the quantized model was not cached ({str(e).splitlines()[0][:120]})",
+              file=sys.stderr)
     return quantized
 
 

@@ -12,7 +12,9 @@ not load, a turn past the context) ends the run with one line and exit code 2.
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, TextIO
 
@@ -66,13 +68,20 @@ class Chat:
 
     def reply(self, message: str) -> None:
         stream = self.session.chat(message, self.max_tokens, params=self.params)
+        # Ctrl-C sets a flag read between tokens: raised as KeyboardInterrupt it can land inside a ctypes
+        # callback of llama.cpp's, where Python prints and drops it, and the reply would run on.
+        stopped = threading.Event()
+        previous = signal.signal(signal.SIGINT, lambda *_: stopped.set())
         try:
             for delta in stream:
                 self.out.write(delta)
                 self.out.flush()
-        except KeyboardInterrupt:
-            self.out.write(" [stopped]")
+                if stopped.is_set():
+                    break
+            if stopped.is_set():
+                self.out.write(" [stopped]")
         finally:
+            signal.signal(signal.SIGINT, previous)
             stream.close()  # a clean stop: the session keeps the partial reply and its cache
             self.out.write("\n")
             self.out.flush()
