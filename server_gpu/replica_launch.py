@@ -14,24 +14,12 @@ import os
 import signal
 import socket
 import threading
-from dataclasses import dataclass
 from urllib.parse import urlparse
 
 from edgefinfer.errors import UserError
-from edgefinfer.server_gpu import prefix_router
-from edgefinfer.server_gpu.api import ServerLimits
-from edgefinfer.server_gpu.loader import ServeOptions
+from edgefinfer.server_gpu.replica_spec import ReplicaSpec
 
 INSTALL_HINT = "pip install 'edgefinfer[replicas]' (ray[serve])"
-
-
-@dataclass(frozen=True)
-class ReplicaSpec:
-    """What every replica builds: the single-process server's options and limits."""
-    opts: ServeOptions
-    api_key: str | None
-    limits: ServerLimits
-    prefix_blocks: int = prefix_router.DEFAULT_PREFIX_BLOCKS
 
 
 def preflight(n_replicas: int, address: str | None) -> None:

@@ -34,7 +34,7 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 
 from edgefinfer.server_gpu import prefix_router
 from edgefinfer.server_gpu.metrics import CONTENT_TYPE, PREFIX
-from edgefinfer.server_gpu.replica_launch import ReplicaSpec
+from edgefinfer.server_gpu.replica_spec import ReplicaSpec
 
 log = logging.getLogger(__name__)
 
