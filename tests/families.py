@@ -133,3 +133,16 @@ def byte_tokenizer(vocab_size: int = 128):
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     return Tokenizer(backend)
+
+
+def family_gguf(name: str, folder):
+    """(our model, its F32 GGUF at folder/NAME.gguf) for family `name` as llama.cpp runs it (`llamacpp_config`),
+    with the byte-level tokenizer; the HF folder is folder/hf."""
+    from edgefinfer.checkpoint import load_model
+    from edgefinfer.compile.gguf_export import export_gguf
+
+    random_hf_model(llamacpp_config(name), gemma=name == "gemma3").save_pretrained(folder / "hf")
+    ours = load_model(folder / "hf")
+    path = folder / f"{name}.gguf"
+    export_gguf(ours, byte_tokenizer(ours.config.vocab_size), path, "f32")
+    return ours, path

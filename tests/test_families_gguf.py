@@ -17,7 +17,7 @@ from edgefinfer.compile.gguf_export import export_gguf
 from edgefinfer.config import FULL, SLIDING
 from edgefinfer.errors import UserError
 from edgefinfer.gguf_import import import_gguf
-from tests.families import NAMES, WINDOW, byte_tokenizer, llamacpp_config, random_hf_model
+from tests.families import NAMES, WINDOW, byte_tokenizer, family_gguf, llamacpp_config, random_hf_model
 
 llama_cpp = pytest.importorskip("llama_cpp")
 gguf = pytest.importorskip("gguf")
@@ -50,12 +50,7 @@ def our_logits(model, ids: list[int]) -> np.ndarray:
 def exported(request, tmp_path_factory):
     """(name, our model, its F32 GGUF)."""
     name = request.param
-    folder = tmp_path_factory.mktemp(name)
-    random_hf_model(llamacpp_config(name), gemma=name == "gemma3").save_pretrained(folder / "hf")
-    ours = load_model(folder / "hf")
-    path = folder / "m.gguf"
-    export_gguf(ours, byte_tokenizer(ours.config.vocab_size), path, "f32")
-    return name, ours, path
+    return (name, *family_gguf(name, tmp_path_factory.mktemp(name)))
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import re
 import httpx
 import pytest
 
-from tests.families import NAMES, byte_tokenizer, llamacpp_config, random_hf_model
+from tests.families import NAMES, family_gguf
 
 pytest.importorskip("llama_cpp")
 pytest.importorskip("fastapi")
@@ -34,16 +34,7 @@ MAX_LEN = 64
 
 @pytest.fixture(scope="module", params=NAMES)
 def gguf_file(request, tmp_path_factory):
-    from edgefinfer.checkpoint import load_model
-    from edgefinfer.compile.gguf_export import export_gguf
-
-    name = request.param
-    folder = tmp_path_factory.mktemp(name)
-    random_hf_model(llamacpp_config(name), gemma=name == "gemma3").save_pretrained(folder / "hf")
-    ours = load_model(folder / "hf")
-    path = folder / f"{name}.gguf"
-    export_gguf(ours, byte_tokenizer(ours.config.vocab_size), path, "f32")
-    return path
+    return family_gguf(request.param, tmp_path_factory.mktemp(request.param))[1]
 
 
 def test_run_and_serve_agree_on_every_family(gguf_file):
