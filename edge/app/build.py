@@ -288,6 +288,11 @@ def _float_perplexity(model, test_ids: list[int], window: int, prefix: list[int]
     return figures["ppl"], reused
 
 
+def quantized_by_us(recipe: str) -> bool:
+    """Whether our quantizers make `recipe` (float, QNN's QDQ and llama.cpp's quantizer are the exporters')."""
+    return not (recipe in FLOAT_RECIPES or recipe.startswith(("qdq-", LLAMACPP_PREFIX)))
+
+
 def source_precision(folder: Path, recipe: str) -> dict[str, Any]:
     """Module -> the 8-bit format for each matrix that the GGUF the weights were converted from stored
     above `recipe`'s bits (Gemma 3 270M's Q4_K_M: Q5_0 where a row of 640 fits no K-quant, Q6_K and Q8_0
@@ -298,7 +303,7 @@ def source_precision(folder: Path, recipe: str) -> dict[str, Any]:
     from edgefinfer.gguf_import import source_tensor_bits
 
     bits = source_tensor_bits(folder)
-    if not bits or recipe in FLOAT_RECIPES or recipe.startswith(("qdq-", LLAMACPP_PREFIX)):
+    if not bits or not quantized_by_us(recipe):
         return {}
     weights = parse_recipe(recipe).weights
     if weights.kind != "int":
@@ -313,7 +318,7 @@ def quantize_for(model, target: Target, recipe: str, tokenizer, overrides: dict[
     of their formats), or float. What comes back is what the artefact computes (the exporters re-pack
     quantized layers without re-quantizing), so its eager perplexity is the artefact's up to the
     runtime's float arithmetic."""
-    if recipe in FLOAT_RECIPES or recipe.startswith("qdq-") or recipe.startswith(LLAMACPP_PREFIX):
+    if not quantized_by_us(recipe):
         return model  # exporters handle float, Core ML fp16, QNN QDQ and llama.cpp's quantizer themselves
     from edgefinfer.compile.quant.apply import quantize_model
     from edgefinfer.compile.quant.recipe import parse_recipe
