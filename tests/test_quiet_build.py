@@ -64,7 +64,15 @@ def test_cli_build_and_run_are_quiet_and_the_bundle_readable(tmp_path):
     tok.save(tmp_path / "m")
     args = ["build", "--target", "qnn", "-m", str(tmp_path / "m"), "-o", str(tmp_path / "b"), "--max-seq-len", "32",
             "--eval-tokens", "64"]
-    proc = subprocess.run([sys.executable, "-m", "edgefinfer", *args], capture_output=True, text=True, timeout=300)
+    # An empty artefact cache (the corpora shared): a hit left by another test would skip the noisy libraries.
+    from edgefinfer.data import cache_dir
+
+    (cache_dir() / "data").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "data").symlink_to(cache_dir() / "data")
+    env = {**os.environ, "EDGEFINFER_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, "-m", "edgefinfer", *args], capture_output=True, text=True, timeout=300,
+                          env=env)
     assert proc.returncode == 0, proc.stderr
     assert [line for line in (proc.stderr + proc.stdout).splitlines() if any(n in line for n in NOISE)] == []
     assert all(f"[build {i}/5]" in proc.stderr for i in range(1, 6)) and "[qnn] context binaries" in proc.stderr
