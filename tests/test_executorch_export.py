@@ -8,6 +8,7 @@ it cannot run on Linux).
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import numpy as np
@@ -209,9 +210,8 @@ def test_quantized_matches_eager_quantized_model(which, request, model, tied_mod
     assert meta["size_bytes"] < limit * fp32_static[1]["size_bytes"], (meta["size_bytes"], fp32_static[1]["size_bytes"])
 
 
-def test_float_zero_point_8da4w_runs_on_xnnpack_and_matches_eager(model, store, tmp_path, prompt):
-    """8da4w-g32-fzp: the symmetric part on XNNPACK's qb4w kernel, the group offsets as a float linear
-    (layouts.OffsetLinear); the .pte matches the eager module's split forward."""
+@pytest.fixture(scope="module")
+def fzp_model(model):
     import copy
 
     from edgefinfer.compile.quant import quantize_model
@@ -219,18 +219,38 @@ def test_float_zero_point_8da4w_runs_on_xnnpack_and_matches_eager(model, store, 
 
     quantized = copy.deepcopy(model).float().eval()
     quantize_model(quantized, parse_recipe("8da4w-g32-fzp"))
+    return quantized
+
+
+def test_float_zero_point_8da4w_runs_on_xnnpack_and_matches_eager(fzp_model, store, tmp_path, prompt):
+    """8da4w-g32-fzp: the symmetric part on XNNPACK's qb4w kernel, the group offsets as a float linear
+    (layouts.OffsetLinear); the .pte matches the eager module's split forward."""
+    quantized = fzp_model
     path = tmp_path / "fzp.pte"
-    meta = _export(quantized, path, store, recipe="8da4w", max_seq_len=MAX_SEQ)
+    _export(quantized, path, store, recipe="8da4w", max_seq_len=MAX_SEQ)
     forward = pte_delegates(path)["forward"]
     assert "XnnpackBackend" in forward["delegates"]
-    # The group sums are mean-pools XNNPACK takes; a sum would stay outside and split every layer.
-    assert not any(op.startswith("aten::sum") for op in forward["operators"]), forward["operators"]
+    # The group sums are mean-pools XNNPACK takes, and the norms' means are linears; a sum or a mean left
+    # outside would split every layer's graph into more delegates.
+    assert not any(op.startswith(("aten::sum", "aten::mean")) for op in forward["operators"]), forward["operators"]
     tokens = prompt[:16]
     got = teacher_forced(ExecuTorchBackend(path, threads=1), tokens, 8)
     want = teacher_forced(TorchBackend(quantized, max_seq_len=MAX_SEQ), tokens, 8)
     per_position = np.abs(got - want).max(-1)
     assert np.median(per_position) < 1e-4 and per_position.max() < 0.25, per_position
     assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.95
+
+
+def test_skipped_xnnpack_passes_would_have_changed_no_byte(fzp_model, tmp_path, monkeypatch):
+    """The lowering skips XNNPACK passes whose ops a partition lacks (`_decoder_xnnpack_passes`): with
+    ExecuTorch's full pass list the same program comes out, byte for byte."""
+    import edgefinfer.compile.executorch_export as executorch_export
+
+    skipped, full = tmp_path / "skipped.pte", tmp_path / "full.pte"
+    export_pte(fzp_model, skipped, recipe="8da4w", max_seq_len=MAX_SEQ, cache=False, progress=False)
+    monkeypatch.setattr(executorch_export, "_decoder_xnnpack_passes", lambda custom_sdpa: contextlib.nullcontext())
+    export_pte(fzp_model, full, recipe="8da4w", max_seq_len=MAX_SEQ, cache=False, progress=False)
+    assert skipped.read_bytes() == full.read_bytes()
 
 
 def test_4bit_embeddings_use_the_quantized_embedding_kernel(q8da4w):
