@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 import psutil
 
 from edgefinfer.errors import UserError
-from edgefinfer.generation import Generation, detokenize, encode_prompt, stop_token_ids
+from edgefinfer.generation import Generation, detokenize, encode_prompt, finish_reason, stop_token_ids
 from edgefinfer.resolve import resolve
 from edgefinfer.runtime.backends.base import Backend
 from edgefinfer.runtime.decode import Speculation, generate_tokens
@@ -103,7 +103,6 @@ def open_backend(path: str | Path, kind: str | None = None, kv: KVOption = KVOpt
                  max_seq_len: int | None = None) -> tuple[Backend, Tokenizer, dict]:
     """The backend and tokenizer for an artefact path (see `edgefinfer.resolve`); `kind` forces a backend."""
     src = resolve(path, kind)
-    eos = src.eos_ids or ()
     if src.kind == "bundle":
         if src.entry.format == "qnn-context":  # static graphs: QNN EP (HTP / emulator) or CPU EP, see open_qnn
             from edgefinfer.runtime.backends.ort import open_qnn
@@ -114,12 +113,11 @@ def open_backend(path: str | Path, kind: str | None = None, kv: KVOption = KVOpt
             backend = open_qnn(src.folder, src.entry.meta, threads=threads)
         else:
             backend = _open(src.path, src.backend, kv, threads, max_seq_len)
-        info = {"bundle": src.manifest.target, "artefact": src.entry.path, "eos_ids": eos, "path": str(src.path),
-                "sha256": src.entry.sha256}
-        return backend, Tokenizer.from_dir(src.folder), info
-    backend = _open(src.path, src.backend, kv, threads, max_seq_len)
-    return backend, _tokenizer_for(src.path, src.backend), {"artefact": str(src.path), "eos_ids": eos,
-                                                            "path": str(src.path)}
+        info = {"bundle": src.manifest.target, "artefact": src.entry.path, "sha256": src.entry.sha256}
+    else:
+        backend, info = _open(src.path, src.backend, kv, threads, max_seq_len), {"artefact": str(src.path)}
+    tokenizer = src.tokenizer()
+    return backend, tokenizer, {**info, "eos_ids": src.stop_ids(tokenizer), "path": str(src.path)}
 
 
 def _open(path: Path, kind: str | None, kv: KVOption, threads: int | None, max_seq_len: int | None) -> Backend:
@@ -165,17 +163,6 @@ def _check_cache(backend: Backend, kv: KVOption) -> Backend:
                         f"rebuild with `edgefinfer build --kv window:{kv.window}"
                         + (f",sinks:{kv.sinks}" if kv.sinks else "") + "` or drop --kv")
     return backend
-
-
-def _tokenizer_for(path: Path, kind: str) -> Tokenizer:
-    folder = path if path.is_dir() else path.parent
-    if (folder / "tokenizer.json").is_file():
-        return Tokenizer.from_dir(folder)
-    if kind == "llamacpp":
-        from edgefinfer.gguf_import import open_gguf, tokenizer_from_gguf
-
-        return tokenizer_from_gguf(open_gguf(path))
-    raise UserError(f"no tokenizer.json next to {path}; put the model's tokenizer.json beside it")
 
 
 class Engine:
@@ -250,8 +237,8 @@ class Engine:
             tokens = generate_tokens(self.backend, ids, max_tokens, params, self.eos_ids, self.speculation,
                                      result.stats, cancel, matcher, cached)
             yield from detokenize(self.tokenizer, tokens, self.eos_ids, stop, result, on_token)
-            if matcher is not None and matcher.finished:
-                result.finish_reason = "stop"  # the output is complete, even if it took the last allowed token
+            if reason := finish_reason(grammar_done=matcher is not None and matcher.finished):
+                result.finish_reason = reason  # the output is complete, even if it took the last allowed token
         finally:
             self._lock.release()
             result.stats.peak_rss_mb = peak_rss_mb()
