@@ -16,10 +16,11 @@ import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator, Literal
 
 import psutil
 
+from edgefinfer.artefact import Layout
 from edgefinfer.errors import UserError
 from edgefinfer.generation import Generation, detokenize, encode_prompt, finish_reason, stop_token_ids
 from edgefinfer.resolve import resolve
@@ -40,10 +41,20 @@ ResponseFormat = dict | Constraint | Grammar | None
 class KVOption:
     """`--kv` option: static (default) | window:N[,sinks:S] | paged:BLOCK (the shared paged-KV manager)."""
 
-    kind: str = "static"
+    kind: Literal["static", "window", "paged"] = "static"
     window: int | None = None
     sinks: int = 0
     block_size: int | None = None
+
+    @property
+    def layout(self) -> Layout | None:
+        """The exported layout this option asks for; None for the paged manager (chosen when running,
+        never built into an artefact)."""
+        return None if self.paged else Layout(self.kind)
+
+    @property
+    def paged(self) -> bool:
+        return self.kind == "paged"
 
     @classmethod
     def parse(cls, text: str | None) -> "KVOption":
@@ -107,7 +118,7 @@ def open_backend(path: str | Path, kind: str | None = None, kv: KVOption = KVOpt
         if src.entry.format == "qnn-context":  # static graphs: QNN EP (HTP / emulator) or CPU EP, see open_qnn
             from edgefinfer.runtime.backends.ort import open_qnn
 
-            if kv.kind != "static":
+            if kv.layout is not Layout.STATIC:
                 raise UserError("a QNN bundle's cache is fixed at build time (a window of --max-seq-len slots); "
                                 "drop --kv")
             backend = open_qnn(src.folder, src.entry.meta, threads=threads)
@@ -121,8 +132,8 @@ def open_backend(path: str | Path, kind: str | None = None, kv: KVOption = KVOpt
 
 
 def _open(path: Path, kind: str | None, kv: KVOption, threads: int | None, max_seq_len: int | None) -> Backend:
-    window = kv.window if kv.kind == "window" else None
-    if kv.kind == "paged" and kind != "torch":
+    window = kv.window  # None unless --kv window:N
+    if kv.paged and kind != "torch":
         raise UserError(f"--kv paged runs on the torch backend (and in `edgefinfer serve`), not on {kind}")
     if kind == "torch":
         from edgefinfer.checkpoint import load_model
@@ -132,7 +143,7 @@ def _open(path: Path, kind: str | None, kv: KVOption, threads: int | None, max_s
             import torch
 
             torch.set_num_threads(threads)
-        if kv.kind == "paged":
+        if kv.paged:
             from edgefinfer.runtime.backends.torch_paged import PagedTorchBackend
 
             return PagedTorchBackend(load_model(path), kv.block_size, max_seq_len)
@@ -155,7 +166,7 @@ def _open(path: Path, kind: str | None, kv: KVOption, threads: int | None, max_s
 def _check_cache(backend: Backend, kv: KVOption) -> Backend:
     """A compiled artefact's cache layout is fixed at export (`backend.artefact.kv`, read from the
     artefact's own metadata): `--kv window:N` must match it."""
-    if kv.kind != "window":
+    if kv.layout is not Layout.WINDOW:
         return backend
     have = backend.artefact.kv
     if not (have.streams and (have.window, have.sinks or 0) == (kv.window, kv.sinks)):
