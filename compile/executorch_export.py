@@ -38,8 +38,8 @@ import sys
 import threading
 import time
 import warnings
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Iterator, Literal
 
 import torch
