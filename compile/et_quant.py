@@ -22,7 +22,8 @@ wrong logits (probe: max |diff| 3710 for int8, 238 for int4).
 from __future__ import annotations
 
 import copy
-from typing import Callable, Literal
+from enum import StrEnum
+from typing import Callable
 
 from torch import nn
 
@@ -31,13 +32,39 @@ from edgefinfer.compile.quant.modules import Fp8Linear
 from edgefinfer.errors import UserError
 from edgefinfer.model import Transformer
 
-Scheme = Literal["fp32", "fp16", "8da8w", "8da4w"]
-SCHEMES: tuple[str, ...] = ("fp32", "fp16", "8da8w", "8da4w")
-QUANTIZED_SCHEMES: tuple[str, ...] = ("8da8w", "8da4w")
+
+
+class Scheme(StrEnum):
+    """ExecuTorch's weight schemes (`export_pte`'s `recipe`): float32, Core ML's float16 compute, and
+    XNNPACK's int8 dynamic activations over int8 per-channel (8da8w) or int4 groupwise (8da4w) weights.
+    A StrEnum: written (manifest, cache key) as its name."""
+
+    FP32 = "fp32"
+    FP16 = "fp16"
+    INT8 = "8da8w"
+    INT4 = "8da4w"
+
+    @classmethod
+    def parse(cls, text: "str | Scheme", allowed: tuple["Scheme", ...] | None = None) -> "Scheme":
+        """`text` as a scheme (where a caller's string enters), one of `allowed` (default: all);
+        a one-line UserError for another."""
+        allowed = tuple(cls) if allowed is None else allowed
+        if text not in allowed:
+            what = "quantized scheme" if allowed == QUANTIZED_SCHEMES else "ExecuTorch recipe"
+            raise UserError(f"unknown {what} {text!r}: use one of {', '.join(allowed)}")
+        return cls(text)
+
+    @property
+    def quantized(self) -> bool:
+        return self in QUANTIZED_SCHEMES
+
+
+SCHEMES: tuple[Scheme, ...] = tuple(Scheme)
+QUANTIZED_SCHEMES: tuple[Scheme, ...] = (Scheme.INT8, Scheme.INT4)
 EMBEDDING_4BIT = WeightFormat("int", 4, 32, True, "bfloat16")
 
 
-def xnnpack_recipe(model: Transformer, scheme: str, group_size: int = 32, embedding_4bit: bool = False) -> QuantRecipe:
+def xnnpack_recipe(model: Transformer, scheme: Scheme | str, group_size: int = 32, embedding_4bit: bool = False) -> QuantRecipe:
     """The `QuantRecipe` behind an ExecuTorch scheme.
 
     Decoder linears: 8da4w = int4 groupwise symmetric, 8da8w = int8 per-channel symmetric, both with
@@ -45,13 +72,12 @@ def xnnpack_recipe(model: Transformer, scheme: str, group_size: int = 32, embedd
     follows the linears, except when it is tied to the embeddings: then it shares their format (4-bit
     g32 with `embedding_4bit`, else it stays float).
     """
-    if scheme not in QUANTIZED_SCHEMES:
-        raise UserError(f"unknown quantized scheme {scheme!r}: use one of {', '.join(QUANTIZED_SCHEMES)}")
-    weights = (WeightFormat("int", 4, group_size, True, "bfloat16") if scheme == "8da4w"
+    scheme = Scheme.parse(scheme, QUANTIZED_SCHEMES)
+    weights = (WeightFormat("int", 4, group_size, True, "bfloat16") if scheme is Scheme.INT4
                else WeightFormat("int", 8, None, True))
     embedding = EMBEDDING_4BIT if embedding_4bit else None
     head = embedding if model.config.tie_word_embeddings else weights
-    name = f"{scheme}-g{group_size}" if scheme == "8da4w" else scheme
+    name = f"{scheme}-g{group_size}" if scheme is Scheme.INT4 else str(scheme)
     return QuantRecipe(name=name + ("-emb4" if embedding_4bit else "-embf"), weights=weights,
                        activations="int8-per-token", embedding=embedding, lm_head=head)
 
@@ -60,7 +86,7 @@ def is_quantized(model: nn.Module) -> bool:
     return any(isinstance(m, (QuantLinear, QuantEmbedding, Fp8Linear)) for m in model.modules())
 
 
-def quantize_for_xnnpack(model: Transformer, scheme: str, group_size: int = 32, embedding_4bit: bool = False,
+def quantize_for_xnnpack(model: Transformer, scheme: Scheme | str, group_size: int = 32, embedding_4bit: bool = False,
                          progress: Callable[[str], None] | None = None) -> Transformer:
     """A quantized copy of a float `model` (round-to-nearest): the eager reference of the exported .pte."""
     if is_quantized(model):
@@ -90,7 +116,7 @@ def check_xnnpack_layout(model: nn.Module) -> None:
                             "use -emb4 or -emb8")
 
 
-def scheme_of(model: nn.Module) -> str:
-    """The scheme label of an already-quantized model ("8da4w" if any linear is 4-bit)."""
+def scheme_of(model: nn.Module) -> Scheme:
+    """The scheme of an already-quantized model (8da4w if any linear is 4-bit)."""
     bits = {m.fmt.bits for m in model.modules() if isinstance(m, QuantLinear)}
-    return "8da4w" if 4 in bits else "8da8w" if bits else "fp32"
+    return Scheme.INT4 if 4 in bits else Scheme.INT8 if bits else Scheme.FP32

@@ -32,29 +32,29 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import math
 import sys
 import threading
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Literal
 
 import torch
 from torch import nn
 
-from edgefinfer.artefact import ArtefactSpec, KVCache, write_spec
+from edgefinfer.artefact import ArtefactSpec, KVSpec, Layout, write_spec
 from edgefinfer.compile.et_attention import EtRingCache, EtStaticCache, ExportableLM, swap_attention
 from edgefinfer.atomic import write_bytes
 from edgefinfer.compile.artefact_cache import ArtefactCache, content_key
-from edgefinfer.compile.et_quant import (QUANTIZED_SCHEMES, SCHEMES, check_xnnpack_layout, is_quantized,
+from edgefinfer.compile.et_quant import (QUANTIZED_SCHEMES, Scheme, check_xnnpack_layout, is_quantized,
                                          quantize_for_xnnpack, scheme_of)
 from edgefinfer.compile.vendor_sdks import require_sdk
 from edgefinfer.errors import UserError
 from edgefinfer.model import Transformer
 
-Recipe = Literal["fp32", "fp16", "8da8w", "8da4w"]
-KVLayout = Literal["static", "window"]
 Delegate = Literal["xnnpack", "coreml", "neuropilot"]
 Progress = Callable[[str], None]
 
@@ -75,8 +75,8 @@ RUNTIME_KERNEL_MODULES = ("executorch.kernels.quantized", "executorch.extension.
 
 # ---- public API ----------------------------------------------------------------------------------------
 
-def export_pte(model: Transformer, out_path: str | Path, *, recipe: Recipe = "fp32", group_size: int = 32,
-               embedding_4bit: bool = False, kv: KVLayout = "static", max_seq_len: int | None = None,
+def export_pte(model: Transformer, out_path: str | Path, *, recipe: Scheme | str = Scheme.FP32, group_size: int = 32,
+               embedding_4bit: bool = False, kv: Layout = Layout.STATIC, max_seq_len: int | None = None,
                window: int | None = None, num_sinks: int = 0, lookahead: int | None = None,
                backend: Delegate = "xnnpack", custom_ops: bool | None = None, all_logits: bool = True,
                bos_id: int | None = None, eos_ids: list[int] | None = None,
@@ -110,9 +110,7 @@ def export_pte(model: Transformer, out_path: str | Path, *, recipe: Recipe = "fp
     opts = resolve_options(model, recipe=recipe, group_size=group_size, embedding_4bit=embedding_4bit, kv=kv,
                            max_seq_len=max_seq_len, window=window, num_sinks=num_sinks, lookahead=lookahead,
                            backend=backend, custom_ops=custom_ops, all_logits=all_logits, bos_id=bos_id,
-                           eos_ids=eos_ids, platform=platform)
-    if backend == "neuropilot":  # the calibration text decides the activation ranges, hence the bytes
-        opts["calibration"] = [list(map(int, s)) for s in calibration] if calibration else None
+                           eos_ids=eos_ids, platform=platform, calibration=calibration)
     out_path = Path(out_path)
     t0 = time.perf_counter()
     stages: dict[str, float] = {}
@@ -127,17 +125,17 @@ def export_pte(model: Transformer, out_path: str | Path, *, recipe: Recipe = "fp
         say(f"[executorch] cache hit {key[:12]}: copied {hit.files[PROGRAM]} ({meta['size_bytes'] / 2**20:.1f} MiB)")
         return meta
 
-    with _stage(f"quantize {opts['scheme']}", say, stages):
+    with _stage(f"quantize {opts.scheme}", say, stages):
         prepared = _prepare_weights(model, opts)
-    with _stage("export", say, stages), _finite_mask(opts["delegate"] == "neuropilot"):
+    with _stage("export", say, stages), _finite_mask(opts.delegate == "neuropilot"):
         module, example, dynamic = _exportable(prepared, opts)
         exported = _torch_export(module, example, dynamic, opts)
-    if opts["delegate"] == "neuropilot":
-        with _stage(f"quantize {opts['scheme']} (NeuropilotQuantizer)", say, stages):
+    if opts.delegate == "neuropilot":
+        with _stage(f"quantize {opts.scheme} (NeuropilotQuantizer)", say, stages):
             exported = _neuropilot_quantize(exported, example, opts, model.config.vocab_size)
     spec = artefact_spec(prepared, opts)
     methods = write_spec(spec, "pte")
-    with _stage(f"lower ({opts['delegate']})", say, stages):
+    with _stage(f"lower ({opts.delegate})", say, stages):
         edge = _lower(exported, methods, opts)
     with _stage("to_executorch", say, stages):
         program = _to_executorch(edge)
@@ -147,12 +145,12 @@ def export_pte(model: Transformer, out_path: str | Path, *, recipe: Recipe = "fp
     meta = {
         **write_spec(spec, "manifest"),  # format, recipe, kv, inputs, outputs
         "backend": "executorch",
-        "delegate": opts["delegate"],
-        "scheme": opts["scheme"],
-        "group_size": opts["group_size"] if opts["scheme"] == "8da4w" else None,
-        "embedding_4bit": opts["embedding_4bit"],
-        "custom_ops": opts["custom_ops"],
-        "all_logits": opts["all_logits"],
+        "delegate": opts.delegate,
+        "scheme": opts.scheme,
+        "group_size": opts.group_size if opts.scheme is Scheme.INT4 else None,
+        "embedding_4bit": opts.embedding_4bit,
+        "custom_ops": opts.custom_ops,
+        "all_logits": opts.all_logits,
         "methods": methods,
         "kernel_modules": list(RUNTIME_KERNEL_MODULES),
         "size_bytes": out_path.stat().st_size,
@@ -168,22 +166,21 @@ def export_pte(model: Transformer, out_path: str | Path, *, recipe: Recipe = "fp
     return meta
 
 
-def export_key(model: Transformer, opts: dict[str, Any]) -> str:
-    """The program's key in the artefact cache: the model, the resolved options, the tools, our source."""
-    return content_key("executorch", model, opts, CACHE_SOURCES)
+def export_key(model: Transformer, opts: PteOptions) -> str:
+    """The program's key in the artefact cache: the model, every resolved option (each may change the
+    bytes), the tools, our source."""
+    return content_key("executorch", model, dataclasses.asdict(opts), CACHE_SOURCES)
 
 
-def artefact_spec(model: Transformer, opts: dict[str, Any]) -> ArtefactSpec:
+def artefact_spec(model: Transformer, opts: PteOptions) -> ArtefactSpec:
     """The program's description, stored as its constant methods (`edgefinfer.artefact` writes them:
     ExecuTorch's runner keys and ours) and in the manifest."""
     cfg = model.config
-    kv = KVCache(opts["layout"], max_seq_len=opts["max_seq_len"], window=opts["window"], sinks=opts["num_sinks"],
-                 lookahead=opts["lookahead"], max_chunk=opts["max_chunk"])
-    return ArtefactSpec("pte", kv, recipe_name=opts["recipe_name"], vocab_size=cfg.vocab_size,
-                        num_layers=cfg.num_hidden_layers, all_logits=opts["all_logits"],
-                        bos_id=opts["bos_id"] if opts["bos_id"] >= 0 else None, eos_ids=tuple(opts["eos_ids"]),
+    return ArtefactSpec("pte", opts.kv, recipe_name=opts.recipe_name, vocab_size=cfg.vocab_size,
+                        num_layers=cfg.num_hidden_layers, all_logits=opts.all_logits,
+                        bos_id=opts.bos_id if opts.bos_id >= 0 else None, eos_ids=opts.eos_ids,
                         inputs=("tokens int64 [1, S]", "input_pos int64 [1] (position of tokens[0])"),
-                        outputs=(f"logits float32 [1, {'S' if opts['all_logits'] else '1'}, {cfg.vocab_size}]",))
+                        outputs=(f"logits float32 [1, {'S' if opts.all_logits else '1'}, {cfg.vocab_size}]",))
 
 
 def pte_delegates(path: str | Path) -> dict[str, Any]:
@@ -203,51 +200,100 @@ def pte_delegates(path: str | Path) -> dict[str, Any]:
 
 # ---- options ------------------------------------------------------------------------------------------
 
-def resolve_options(model: Transformer, *, recipe: str = "fp32", group_size: int = 32, embedding_4bit: bool = False,
-                    kv: str = "static", max_seq_len: int | None = None, window: int | None = None,
+@dataclass(frozen=True)
+class PteOptions:
+    """`export_pte`'s options as `resolve_options` checked and normalised them: what every stage
+    reads, and (all of it: each field may change the program's bytes) the cache key's input."""
+
+    scheme: Scheme | str  # ExecuTorch's scheme, or a NeuroPilot recipe (qdq-a16w8, ...)
+    recipe_name: str  # as the manifest records it (8da4w-g32-emb4, "8da4w (pre-quantized)", qdq-a16w8)
+    group_size: int | None
+    embedding_4bit: bool
+    prequantized: bool
+    layout: Layout
+    max_seq_len: int | None  # static: the cache's positions; window: None
+    max_chunk: int  # tokens one forward takes
+    window: int | None
+    num_sinks: int
+    lookahead: int | None
+    delegate: Delegate
+    custom_ops: bool
+    all_logits: bool
+    bos_id: int  # -1: none
+    eos_ids: tuple[int, ...]
+    platform: str | None = None  # NeuroPilot: the MediaTek SoC
+    # NeuroPilot: the token streams its static quantizer observes (they decide the activation ranges,
+    # hence the bytes); None: pseudo-random ids
+    calibration: tuple[tuple[int, ...], ...] | None = None
+
+    @property
+    def kv(self) -> KVSpec:
+        return KVSpec(self.layout, max_seq_len=self.max_seq_len, window=self.window, sinks=self.num_sinks,
+                      lookahead=self.lookahead, max_chunk=self.max_chunk)
+
+
+def resolve_options(model: Transformer, *, recipe: Scheme | str = Scheme.FP32, group_size: int = 32, embedding_4bit: bool = False,
+                    kv: Layout | str = Layout.STATIC, max_seq_len: int | None = None, window: int | None = None,
                     num_sinks: int = 0, lookahead: int | None = None, backend: str = "xnnpack",
                     custom_ops: bool | None = None, all_logits: bool = True, bos_id: int | None = None,
-                    eos_ids: list[int] | None = None, platform: str = "mt6989") -> dict[str, Any]:
-    """Check `export_pte`'s options up front (before minutes of lowering); the normalised options
-    (also the cache key's input). Raises UserError with a one-line reason."""
-    cfg = model.config
+                    eos_ids: list[int] | None = None, platform: str = "mt6989",
+                    calibration: list[list[int]] | None = None) -> PteOptions:
+    """Check `export_pte`'s options up front (before minutes of lowering) and normalise them, once.
+    Raises UserError with a one-line reason."""
     if backend not in ("xnnpack", "coreml", "neuropilot"):
         raise UserError(f"unknown ExecuTorch back-end {backend!r}: use xnnpack, coreml or neuropilot")
+    layout = Layout.parse(kv)
     if backend == "neuropilot":
-        return _neuropilot_options(model, recipe, kv, max_seq_len, window, num_sinks, lookahead, custom_ops,
-                                   embedding_4bit, all_logits, bos_id, eos_ids, platform)
-    if recipe not in SCHEMES:
-        raise UserError(f"unknown ExecuTorch recipe {recipe!r}: use one of {', '.join(SCHEMES)}")
+        return _neuropilot_options(model, recipe, layout, max_seq_len, window, num_sinks, lookahead, custom_ops,
+                                   embedding_4bit, all_logits, bos_id, eos_ids, platform, calibration)
+    scheme = Scheme.parse(recipe)
     require_sdk(backend)
-    if recipe == "fp16" and backend != "coreml":
+    prequantized = _check_recipe(model, scheme, group_size, embedding_4bit, backend)
+    custom_ops = backend == "xnnpack" if custom_ops is None else custom_ops
+    if custom_ops and backend == "coreml":
+        raise UserError("Core ML cannot delegate ExecuTorch's custom attention ops: use custom_ops=False")
+    cache = _cache_options(model, layout, max_seq_len, window, num_sinks, lookahead, backend, custom_ops)
+    return PteOptions(scheme=scheme, recipe_name=_recipe_name(scheme, group_size, embedding_4bit, prequantized),
+                      group_size=group_size, embedding_4bit=embedding_4bit, prequantized=prequantized, **cache,
+                      delegate=backend, custom_ops=custom_ops, all_logits=all_logits,
+                      **_special_ids(model, bos_id, eos_ids))
+
+
+def _check_recipe(model: Transformer, scheme: Scheme, group_size: int, embedding_4bit: bool, backend: str) -> bool:
+    """Refuse a scheme the back-end or the model cannot take; whether the model comes quantized."""
+    cfg = model.config
+    if scheme is Scheme.FP16 and backend != "coreml":
         raise UserError("recipe fp16 is Core ML's compute precision; for XNNPACK use fp32, 8da8w or 8da4w")
-    if backend == "coreml" and recipe in QUANTIZED_SCHEMES:
-        raise UserError(f"recipe {recipe} is XNNPACK's integer kernels; Core ML builds use fp16 or fp32")
-    if embedding_4bit and recipe not in QUANTIZED_SCHEMES:
+    if backend == "coreml" and scheme.quantized:
+        raise UserError(f"recipe {scheme} is XNNPACK's integer kernels; Core ML builds use fp16 or fp32")
+    if embedding_4bit and not scheme.quantized:
         raise UserError("embedding_4bit goes with the quantized recipes 8da4w / 8da8w")
     prequantized = is_quantized(model)
     if prequantized:
         check_xnnpack_layout(model)
-        if recipe != scheme_of(model):
+        if scheme is not scheme_of(model):
             raise UserError(f"the model is already quantized as {scheme_of(model)}: export it with recipe "
-                            f"{scheme_of(model)!r}, or pass the float model to quantize it as {recipe}")
-    if recipe == "8da4w" and not prequantized and (group_size < 16 or cfg.hidden_size % group_size
+                            f"{str(scheme_of(model))!r}, or pass the float model to quantize it as {scheme}")
+    if scheme is Scheme.INT4 and not prequantized and (group_size < 16 or cfg.hidden_size % group_size
                                                    or cfg.intermediate_size % group_size):
         raise UserError(f"group size {group_size} does not divide hidden_size {cfg.hidden_size} and "
                         f"intermediate_size {cfg.intermediate_size}: use 32, 64 or 128 (one that divides both)")
-    custom_ops = backend == "xnnpack" if custom_ops is None else custom_ops
-    if custom_ops and backend == "coreml":
-        raise UserError("Core ML cannot delegate ExecuTorch's custom attention ops: use custom_ops=False")
-    if kv == "static":
+    return prequantized
+
+
+def _cache_options(model: Transformer, layout: Layout, max_seq_len: int | None, window: int | None, num_sinks: int,
+                   lookahead: int | None, backend: str, custom_ops: bool) -> dict[str, Any]:
+    """The cache fields of `PteOptions` (XNNPACK, Core ML), checked."""
+    if layout is Layout.STATIC:
         if window is not None or num_sinks or lookahead is not None:
             raise UserError("window, num_sinks and lookahead apply to kv='window'; drop them for a static cache")
-        max_seq_len = max_seq_len or cfg.max_position_embeddings
+        max_seq_len = max_seq_len or model.config.max_position_embeddings
         if max_seq_len < 2:
             raise UserError(f"max_seq_len must be at least 2, got {max_seq_len}")
         # coremltools cannot convert a graph with a symbolic length (placeholders must be tensors), so a
         # Core ML program takes one token per call; ExecuTorch's runner then prefills token by token.
         max_chunk = 1 if backend == "coreml" else max_seq_len
-    elif kv == "window":
+    else:
         if window is None or window < 1:
             raise UserError("kv='window' needs window=N >= 1 (the number of recent positions kept)")
         if max_seq_len is not None:
@@ -262,34 +308,22 @@ def resolve_options(model: Transformer, *, recipe: str = "fp32", group_size: int
         if lookahead < 1:
             raise UserError(f"lookahead must be >= 1 (a forward takes at most lookahead + 1 tokens), got {lookahead}")
         max_chunk = lookahead + 1
-    else:
-        raise UserError(f"unknown kv layout {kv!r}: use 'static' or 'window'")
+    return dict(layout=layout, max_seq_len=max_seq_len, max_chunk=max_chunk, window=window, num_sinks=num_sinks,
+                lookahead=lookahead)
+
+
+def _special_ids(model: Transformer, bos_id: int | None, eos_ids: list[int] | None) -> dict[str, Any]:
+    """BOS (-1: none) and EOS ids for the program's constant methods: the given ones, else the config's."""
+    cfg = model.config
     bos = bos_id if bos_id is not None else cfg.bos_token_id
     eos = list(eos_ids) if eos_ids is not None else cfg.eos_token_ids
-    return {
-        "scheme": recipe,
-        "recipe_name": _recipe_name(recipe, group_size, embedding_4bit, prequantized),
-        "group_size": group_size,
-        "embedding_4bit": embedding_4bit,
-        "prequantized": prequantized,
-        "layout": kv,
-        "max_seq_len": max_seq_len,
-        "max_chunk": max_chunk,
-        "window": window,
-        "num_sinks": num_sinks,
-        "lookahead": lookahead,
-        "delegate": backend,
-        "custom_ops": custom_ops,
-        "all_logits": all_logits,
-        "bos_id": -1 if bos is None else int(bos),
-        "eos_ids": [int(e) for e in eos],
-    }
+    return dict(bos_id=-1 if bos is None else int(bos), eos_ids=tuple(int(e) for e in eos))
 
 
-def _neuropilot_options(model: Transformer, recipe: str, kv: str, max_seq_len: int | None, window: int | None,
+def _neuropilot_options(model: Transformer, recipe: str, layout: Layout, max_seq_len: int | None, window: int | None,
                         num_sinks: int, lookahead: int | None, custom_ops: bool | None, embedding_4bit: bool,
-                        all_logits: bool, bos_id: int | None, eos_ids: list[int] | None, platform: str
-                        ) -> dict[str, Any]:
+                        all_logits: bool, bos_id: int | None, eos_ids: list[int] | None, platform: str,
+                        calibration: list[list[int]] | None) -> PteOptions:
     """MediaTek NeuroPilot: a float model, quantized statically by NeuropilotQuantizer; a static cache and
     one token per call (the Neuron compiler takes fixed shapes; ExecuTorch's runner then prefills
     token by token), plain-op attention (the delegate cannot take ExecuTorch's custom ops)."""
@@ -297,7 +331,7 @@ def _neuropilot_options(model: Transformer, recipe: str, kv: str, max_seq_len: i
         raise UserError(f"recipe {recipe!r} is not a NeuroPilot recipe: use one of {', '.join(NEUROPILOT_RECIPES)}")
     if platform not in NEUROPILOT_PLATFORMS:
         raise UserError(f"unknown MediaTek platform {platform!r}: use one of {', '.join(NEUROPILOT_PLATFORMS)}")
-    if kv != "static" or window is not None or num_sinks or lookahead is not None:
+    if layout is not Layout.STATIC or window is not None or num_sinks or lookahead is not None:
         raise UserError("the NeuroPilot build supports kv='static' only (its graph has fixed shapes)")
     if custom_ops:
         raise UserError("NeuroPilot cannot delegate ExecuTorch's custom attention ops: use custom_ops=False")
@@ -306,64 +340,61 @@ def _neuropilot_options(model: Transformer, recipe: str, kv: str, max_seq_len: i
     if is_quantized(model):
         raise UserError("NeuroPilot quantizes the float model itself: pass the float checkpoint")
     require_sdk("mediatek")
-    cfg = model.config
-    max_seq_len = max_seq_len or cfg.max_position_embeddings
+    max_seq_len = max_seq_len or model.config.max_position_embeddings
     if max_seq_len < 2:
         raise UserError(f"max_seq_len must be at least 2, got {max_seq_len}")
-    bos = bos_id if bos_id is not None else cfg.bos_token_id
-    eos = list(eos_ids) if eos_ids is not None else cfg.eos_token_ids
-    return {"scheme": recipe, "recipe_name": recipe, "group_size": None, "embedding_4bit": False,
-            "prequantized": False, "layout": "static", "max_seq_len": max_seq_len, "max_chunk": 1, "window": None,
-            "num_sinks": 0, "lookahead": None, "delegate": "neuropilot", "custom_ops": False,
-            "all_logits": all_logits, "bos_id": -1 if bos is None else int(bos), "eos_ids": [int(e) for e in eos],
-            "platform": platform}
+    streams = tuple(tuple(int(t) for t in s) for s in calibration) if calibration else None
+    return PteOptions(scheme=recipe, recipe_name=recipe, group_size=None, embedding_4bit=False, prequantized=False,
+                      layout=Layout.STATIC, max_seq_len=max_seq_len, max_chunk=1, window=None, num_sinks=0,
+                      lookahead=None, delegate="neuropilot", custom_ops=False, all_logits=all_logits,
+                      **_special_ids(model, bos_id, eos_ids), platform=platform, calibration=streams)
 
 
-def _recipe_name(recipe: str, group_size: int, embedding_4bit: bool, prequantized: bool) -> str:
+def _recipe_name(scheme: Scheme, group_size: int, embedding_4bit: bool, prequantized: bool) -> str:
     if prequantized:
-        return f"{recipe} (pre-quantized)"
-    name = f"8da4w-g{group_size}" if recipe == "8da4w" else recipe
+        return f"{scheme} (pre-quantized)"
+    name = f"8da4w-g{group_size}" if scheme is Scheme.INT4 else str(scheme)
     return name + ("-emb4" if embedding_4bit else "")
 
 
 # ---- stages -------------------------------------------------------------------------------------------
 
-def _prepare_weights(model: Transformer, opts: dict[str, Any]) -> Transformer:
+def _prepare_weights(model: Transformer, opts: PteOptions) -> Transformer:
     """A float32 eval copy of the model, quantized for XNNPACK when the recipe asks (our own modules)."""
-    if opts["prequantized"]:
+    if opts.prequantized:
         return copy.deepcopy(model).float().eval()  # float scales hold the same (fp16) values
-    if opts["scheme"] in QUANTIZED_SCHEMES:
-        return quantize_for_xnnpack(model, opts["scheme"], opts["group_size"], opts["embedding_4bit"])
+    if opts.scheme in QUANTIZED_SCHEMES:
+        return quantize_for_xnnpack(model, opts.scheme, opts.group_size, opts.embedding_4bit)
     return copy.deepcopy(model).float().eval()
 
 
-def _exportable(model: Transformer, opts: dict[str, Any]) -> tuple[nn.Module, tuple, tuple]:
+def _exportable(model: Transformer, opts: PteOptions) -> tuple[nn.Module, tuple, tuple]:
     """The module torch.export sees, an example input and the dynamic shapes."""
     from edgefinfer.compile.fusion import fuse_projections
     from edgefinfer.compile.quant import torchao_model
 
-    if opts["delegate"] == "xnnpack":
+    if opts.delegate == "xnnpack":
         # q|k|v and gate|up as one linear each: one dynamic quantization (and one group-sum, for a float
         # zero point) per input instead of three or two, and fewer nodes for every lowering pass
         fuse_projections(model)
-    if opts["scheme"] in QUANTIZED_SCHEMES:
+    if opts.scheme in QUANTIZED_SCHEMES:
         model = torchao_model(model)  # QuantLinear -> nn.Linear holding the same codes as a torchao tensor
     cfg = model.config
-    if opts["delegate"] == "xnnpack":
+    if opts.delegate == "xnnpack":
         _explicit_tanh_gelu(model)
         _delegable_norms(model)
-    if opts["custom_ops"]:
-        cache: nn.Module = (EtStaticCache(cfg, opts["max_seq_len"]) if opts["layout"] == "static" else
-                            EtRingCache(cfg, opts["window"], opts["num_sinks"], opts["lookahead"]))
+    if opts.custom_ops:
+        cache: nn.Module = (EtStaticCache(cfg, opts.max_seq_len) if opts.layout is Layout.STATIC else
+                            EtRingCache(cfg, opts.window, opts.num_sinks, opts.lookahead))
         model = swap_attention(model)
     else:
         from edgefinfer.cache import StaticCache
 
-        cache = StaticCache(cfg, 1, opts["max_seq_len"], trim=False)  # the window needs custom ops
-    module = ExportableLM(model, cache, opts["all_logits"]).eval()
-    n = min(2, opts["max_chunk"])
+        cache = StaticCache(cfg, 1, opts.max_seq_len, trim=False)  # the window needs custom ops
+    module = ExportableLM(model, cache, opts.all_logits).eval()
+    n = min(2, opts.max_chunk)
     example = (torch.zeros(1, n, dtype=torch.long), torch.zeros(1, dtype=torch.long))
-    seq = torch.export.Dim("seq", min=1, max=opts["max_chunk"]) if opts["max_chunk"] > 1 else None
+    seq = torch.export.Dim("seq", min=1, max=opts.max_chunk) if opts.max_chunk > 1 else None
     dynamic = ({1: seq} if seq is not None else None, None)
     return module, example, dynamic
 
@@ -411,7 +442,7 @@ def _delegable_norms(model: nn.Module) -> None:
             setattr(model.get_submodule(parent) if parent else model, child, _LinearMeanRMSNorm(module))
 
 
-def _torch_export(module: nn.Module, example: tuple, dynamic: tuple, opts: dict[str, Any]):
+def _torch_export(module: nn.Module, example: tuple, dynamic: tuple, opts: PteOptions):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     # MATH: the decomposition ExecuTorch can lower (the plain-op path); no_grad: no training ops. No
@@ -443,7 +474,7 @@ def _finite_mask(enabled: bool, value: float = -100.0) -> Iterator[None]:
         model_module.attention_mask = boolean
 
 
-def _neuropilot_quantize(exported, example: tuple, opts: dict[str, Any], vocab_size: int):
+def _neuropilot_quantize(exported, example: tuple, opts: PteOptions, vocab_size: int):
     """Static quantization as MediaTek's flow does it (pt2e with ExecuTorch's NeuropilotQuantizer):
     observe the calibration tokens one decode step at a time, convert, export again."""
     import executorch.kernels.quantized  # noqa: F401 (Q/DQ left outside the delegate need these out variants)
@@ -464,36 +495,36 @@ def _neuropilot_quantize(exported, example: tuple, opts: dict[str, Any], vocab_s
             return model
 
     quantizer = FloatOnlyQuantizer()
-    quantizer.setup_precision(getattr(Precision, NEUROPILOT_RECIPES[opts["scheme"]]))
+    quantizer.setup_precision(getattr(Precision, NEUROPILOT_RECIPES[opts.scheme]))
     prepared = prepare_pt2e(exported.module(), quantizer)
-    streams = opts.get("calibration") or [np.random.default_rng(0).integers(0, vocab_size, 64).tolist()]
+    streams = opts.calibration or [np.random.default_rng(0).integers(0, vocab_size, 64).tolist()]
     with torch.no_grad():
         for stream in streams:  # each stream from position 0: the cache is causal, older entries are hidden
-            for pos, token in enumerate(stream[: opts["max_seq_len"]]):
+            for pos, token in enumerate(stream[: opts.max_seq_len]):
                 prepared(torch.tensor([[token]]), torch.tensor([pos]))
     converted = convert_pt2e(prepared, fold_quantize=False)
     return _torch_export(converted, example, (None, None), opts)
 
 
-def neuropilot_partitioner(opts: dict[str, Any]):
-    """ExecuTorch's NeuropilotPartitioner with the compile specs for `opts["platform"]` (needs the SDK)."""
+def neuropilot_partitioner(opts: PteOptions):
+    """ExecuTorch's NeuropilotPartitioner with the compile specs for `opts.platform` (needs the SDK)."""
     from executorch.backends.mediatek import NeuropilotPartitioner
     from executorch.exir.backend.compile_spec_schema import CompileSpec
 
-    specs = [CompileSpec("platform-config", opts["platform"].encode())]
+    specs = [CompileSpec("platform-config", opts.platform.encode())]
     specs += [CompileSpec(key, value) for key, value in NEUROPILOT_COMPILE_OPTIONS]
     return NeuropilotPartitioner(specs)
 
 
-def _partitioners(opts: dict[str, Any]) -> list:
-    if opts["delegate"] == "neuropilot":
+def _partitioners(opts: PteOptions) -> list:
+    if opts.delegate == "neuropilot":
         return [neuropilot_partitioner(opts)]
-    if opts["delegate"] == "coreml":
+    if opts.delegate == "coreml":
         import coremltools as ct
         from executorch.backends.apple.coreml.compiler import CoreMLBackend
         from executorch.backends.apple.coreml.partition import CoreMLPartitioner
 
-        precision = ct.precision.FLOAT16 if opts["scheme"] == "fp16" else ct.precision.FLOAT32
+        precision = ct.precision.FLOAT16 if opts.scheme is Scheme.FP16 else ct.precision.FLOAT32
         specs = CoreMLBackend.generate_compile_specs(
             minimum_deployment_target=ct.target.iOS18, compute_precision=precision,
             compute_unit=ct.ComputeUnit.ALL, model_type=CoreMLBackend.MODEL_TYPE.MODEL)
@@ -508,10 +539,10 @@ def _partitioners(opts: dict[str, Any]) -> list:
     return [XnnpackPartitioner()]
 
 
-def _lower(exported, methods: dict[str, Any], opts: dict[str, Any]):
+def _lower(exported, methods: dict[str, Any], opts: PteOptions):
     from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
 
-    passes = _decoder_xnnpack_passes(opts["custom_ops"]) if opts["delegate"] == "xnnpack" else contextlib.nullcontext()
+    passes = _decoder_xnnpack_passes(opts.custom_ops) if opts.delegate == "xnnpack" else contextlib.nullcontext()
     with passes:
         return to_edge_transform_and_lower(
             exported, partitioner=_partitioners(opts),

@@ -56,7 +56,7 @@ import onnx_ir as ir
 import torch
 from torch import nn
 
-from edgefinfer.artefact import ArtefactSpec, KVCache, write_spec
+from edgefinfer.artefact import ArtefactSpec, KVSpec, Layout, write_spec
 from edgefinfer.checkpoint import TOKENIZER_FILES
 from edgefinfer.compile.artefact_cache import cached_export
 from edgefinfer.compile.onnx_graph import MS_DOMAIN, GraphBuilder, ir_dtype, save_model
@@ -70,7 +70,6 @@ from edgefinfer.model import Transformer
 
 Weights = Literal["fp32", "fp16", "int8", "int4"]
 Stream = Any  # the residual stream as a DecoderForm carries it
-KVLayout = Literal["static", "window"]
 WEIGHTS: tuple[str, ...] = ("fp32", "fp16", "int8", "int4")
 MODEL_FILE = "model.onnx"
 GENAI_CONFIG = "genai_config.json"
@@ -91,7 +90,7 @@ CACHE_SOURCES = (Path(__file__), Path(__file__).with_name("onnx_graph.py"), Path
 @cached_export("onnx", CACHE_SOURCES, bypass=("tokenizer_dir",))  # the tokenizer files are not in the key
 def export_onnx(model: Transformer, out_dir: str | Path, *, weights: Weights | None = None, block_size: int = 32,
                 symmetric: bool = True, embedding: Literal["float", "int8", "int4"] | None = None,
-                kv: KVLayout = "static", window: int | None = None, lookahead: int | None = None,
+                kv: Layout = Layout.STATIC, window: int | None = None, lookahead: int | None = None,
                 max_seq_len: int | None = None, accuracy_level: int = 4,
                 pack_gate_up: bool = True, tokenizer_dir: str | Path | None = None,
                 filename: str = MODEL_FILE) -> dict[str, Any]:
@@ -120,24 +119,25 @@ def export_onnx(model: Transformer, out_dir: str | Path, *, weights: Weights | N
     Returns the artefact metadata for the bundle manifest.
     """
     cfg = model.config
+    kv = Layout.parse(kv)
+    streams = kv is Layout.WINDOW
     model, recipe = _resolve_weights(model, weights, block_size, symmetric, embedding)
     io_dtype = np.float16 if weights == "fp16" else np.float32
     if window is not None and window < 1:
         raise UserError(f"the attention window must be >= 1 token, got {window}")
     slots = _cache_slots(kv, cfg.sliding_window if window is None else window, lookahead, max_seq_len)
-    max_seq_len = None if kv == "window" else max_seq_len or cfg.max_position_embeddings
+    max_seq_len = None if streams else max_seq_len or cfg.max_position_embeddings
     if accuracy_level not in (0, 1, 2, 3, 4):
         raise UserError(f"accuracy_level must be 0..4 (MatMulNBits' activation precision), got {accuracy_level}")
 
     builder = GraphBuilder()
     form = FusedForm(builder, model, io_dtype, window, max_seq_len, accuracy_level, pack_gate_up,
-                     window_slots=slots if kv == "window" else None)
+                     window_slots=slots if streams else None)
     emit_decoder(form, model)
     kind = recipe or ("fp16" if io_dtype == np.float16 else _weights_label(model))
-    streams = kv == "window"
     window = form.window
     spec = ArtefactSpec(
-        "onnx", KVCache(kv, max_seq_len=max_seq_len, window=window, slots=slots if streams else None,
+        "onnx", KVSpec(kv, max_seq_len=max_seq_len, window=window, slots=slots if streams else None,
                         lookahead=slots - window if streams else None),
         recipe_name=kind, vocab_size=cfg.vocab_size, num_layers=cfg.num_hidden_layers,
         inputs=("input_ids", "position_ids" if streams else "attention_mask",
@@ -146,7 +146,7 @@ def export_onnx(model: Transformer, out_dir: str | Path, *, weights: Weights | N
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     files = save_model(builder.model(write_spec(spec, "onnx")), out / filename)
-    genai = [GENAI_CONFIG] if kv == "static" else []
+    genai = [] if streams else [GENAI_CONFIG]
     if genai:
         (out / GENAI_CONFIG).write_text(json.dumps(genai_config(cfg, filename, max_seq_len), indent=2) + "\n")
     copied = [n for n in TOKENIZER_FILES if tokenizer_dir and (Path(tokenizer_dir) / n).is_file()]
@@ -160,7 +160,7 @@ def export_onnx(model: Transformer, out_dir: str | Path, *, weights: Weights | N
         "opset": builder.opset,
         "kv_layout": {"format": "BNSH", "shape": ["batch", cfg.num_key_value_heads, slots or max_seq_len, cfg.dim_per_head],
                       "dtype": np.dtype(io_dtype).name, "past_present_share_buffer": True,
-                      "sliding_window_cache": kv == "window"},
+                      "sliding_window_cache": streams},
         "max_seq_len": max_seq_len,
         "window": window,
         "accuracy_level": accuracy_level,
@@ -202,14 +202,12 @@ def genai_config(cfg: ModelConfig, filename: str, max_seq_len: int) -> dict[str,
     return config
 
 
-def _cache_slots(kv: str, window: int | None, lookahead: int | None, max_seq_len: int | None) -> int | None:
+def _cache_slots(kv: Layout, window: int | None, lookahead: int | None, max_seq_len: int | None) -> int | None:
     """KV slots of a window graph (None for a static one, whose buffer holds max_seq_len)."""
-    if kv == "static":
+    if kv is Layout.STATIC:
         if lookahead is not None:
             raise UserError("lookahead applies to kv='window'; drop it for a static cache")
         return None
-    if kv != "window":
-        raise UserError(f"unknown kv layout {kv!r}: use 'static' or 'window'")
     if window is None:
         raise UserError("kv='window' needs window=N >= 1 (the number of recent positions kept)")
     if max_seq_len is not None:

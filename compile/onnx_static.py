@@ -42,7 +42,7 @@ import numpy as np
 import onnx_ir as ir
 from torch import nn
 
-from edgefinfer.artefact import ArtefactSpec, KVCache, write_spec
+from edgefinfer.artefact import ArtefactSpec, KVSpec, Layout, write_spec
 from edgefinfer.compile.onnx_export import emit_decoder, layer_windows, rope_tables
 from edgefinfer.compile.onnx_graph import GraphBuilder, save_model
 from edgefinfer.compile.quant.modules import QUANT_MODULES
@@ -90,7 +90,7 @@ def export_static_decode(model: Transformer, path, *, cache_slots: int, chunk: i
     b = GraphBuilder()
     emit_decoder(StaticForm(b, model, cache_slots, chunk, max_seq_len, window), model)
     # A ring of W slots that the host owns; max_seq_len bounds the RoPE table, not the stream.
-    spec = ArtefactSpec("onnx-static", KVCache("window", max_seq_len=max_seq_len, window=window, slots=cache_slots,
+    spec = ArtefactSpec("onnx-static", KVSpec(Layout.WINDOW, max_seq_len=max_seq_len, window=window, slots=cache_slots,
                                                max_chunk=chunk),
                         vocab_size=cfg.vocab_size, num_layers=cfg.num_hidden_layers)
     files = save_model(b.model(write_spec(spec, "onnx")), path)

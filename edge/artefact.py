@@ -17,15 +17,35 @@ This is foundation: it imports neither an exporter (a phone has none) nor a runt
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, Literal, Mapping
 
 from edgefinfer.config import normalize_eos_ids
 from edgefinfer.errors import UserError
-from edgefinfer.quant_recipe import QuantRecipe, parse_recipe
+from edgefinfer.quant_recipe import QuantRecipe
+from edgefinfer.recipe import quant_recipe_of
 
-Layout = Literal["static", "window"]
 Carrier = Literal["onnx", "pte", "manifest"]
-LAYOUTS: tuple[str, ...] = ("static", "window")
+
+
+class Layout(StrEnum):
+    """An exported KV cache's layout, the one type for every exporter, the build and the runtime.
+    static: one slot per position up to a maximum; window: a buffer that keeps the last positions and
+    streams without a length limit. A StrEnum, so that it is written (JSON, metadata) as its name."""
+
+    STATIC = "static"
+    WINDOW = "window"
+
+    @classmethod
+    def parse(cls, text: "str | Layout") -> "Layout":
+        """`text` as a layout (where a caller's string enters); a one-line UserError for another."""
+        try:
+            return cls(text)
+        except ValueError:
+            raise UserError(f"unknown kv layout {text!r}: use 'static' or 'window'") from None
+
+
+LAYOUTS: tuple[str, ...] = tuple(Layout)
 
 # Artefact formats (a manifest entry's `format`) and the ONNX graph kind that tells the ONNX ones apart.
 ONNX_GRAPHS = {"onnx": "gqa", "onnx-static": "static-decode"}
@@ -35,7 +55,7 @@ UNBOUNDED_CONTEXT = 1 << 30  # the context a window cache reports to ExecuTorch'
 
 
 @dataclass(frozen=True)
-class KVCache:
+class KVSpec:
     """An artefact's KV cache, fixed when it is exported.
 
     static: one slot per position up to `max_seq_len`. window: a buffer that keeps the last `window`
@@ -43,7 +63,7 @@ class KVCache:
     slots keep a multi-token step or a rollback exact.
     """
 
-    layout: Layout = "static"
+    layout: Layout = Layout.STATIC
     max_seq_len: int | None = None  # positions addressed: the static cache's, or a ring graph's RoPE table
     window: int | None = None  # keys a query sees, itself included (None: the whole context)
     sinks: int | None = None  # attention-sink slots (None: the format keeps none)
@@ -52,13 +72,12 @@ class KVCache:
     max_chunk: int | None = None  # tokens one call takes (None: any number)
 
     def __post_init__(self) -> None:
-        if self.layout not in LAYOUTS:
-            raise UserError(f"unknown kv layout {self.layout!r}: use 'static' or 'window'")
+        object.__setattr__(self, "layout", Layout.parse(self.layout))  # a caller's "window" is the layout
 
     @property
     def streams(self) -> bool:
         """A window cache: the stream has no length limit."""
-        return self.layout == "window"
+        return self.layout is Layout.WINDOW
 
     def describe(self) -> str:
         """How a one-line error names this cache."""
@@ -72,7 +91,7 @@ class ArtefactSpec:
     """One exported artefact: what a runtime needs to know to drive it, and what the manifest records."""
 
     format: str  # pte | onnx | onnx-static | qnn-context | gguf
-    kv: KVCache = KVCache()
+    kv: KVSpec = KVSpec()
     recipe_name: str | None = None  # as the build named it: int4-g32-sym-emb4, 8da4w-g32, fp32, qdq-a16w8, ...
     vocab_size: int | None = None
     num_layers: int | None = None
@@ -87,12 +106,7 @@ class ArtefactSpec:
     def recipe(self) -> QuantRecipe | None:
         """The recipe as a `QuantRecipe`; None for float weights and for recipes outside the
         quantizer's grammar (QDQ activation schemes, llama.cpp's own quantizer, mixed labels)."""
-        if not self.recipe_name:
-            return None
-        try:
-            return parse_recipe(self.recipe_name)
-        except UserError:
-            return None
+        return quant_recipe_of(self.recipe_name)
 
 
 def write_spec(spec: ArtefactSpec, carrier: Carrier) -> dict[str, Any]:
@@ -130,11 +144,12 @@ def _from_onnx(meta: Mapping[str, str]) -> ArtefactSpec:
         raise UserError(f"unknown edgefinfer ONNX graph kind {graph!r} (this edgefinfer knows "
                         f"{', '.join(formats)}); re-export the model")
     # The static decode graph is a ring whatever its metadata says (older exports wrote no layout).
-    layout = "window" if graph == ONNX_GRAPHS["onnx-static"] else get("kv") or "static"
+    layout = Layout.WINDOW if graph == ONNX_GRAPHS["onnx-static"] else Layout.parse(get("kv") or Layout.STATIC)
     window, slots = number("window"), number("cache_slots")
     # GQA's window buffer is the window plus its lookahead; the ring graph's slots are the window itself.
-    lookahead = slots - window if graph == ONNX_GRAPHS["onnx"] and layout == "window" and slots and window else None
-    kv = KVCache(layout, max_seq_len=number("max_seq_len"), window=window, slots=slots, max_chunk=number("chunk"),
+    lookahead = (slots - window if graph == ONNX_GRAPHS["onnx"] and layout is Layout.WINDOW and slots and window
+                 else None)
+    kv = KVSpec(layout, max_seq_len=number("max_seq_len"), window=window, slots=slots, max_chunk=number("chunk"),
                  lookahead=lookahead)
     return ArtefactSpec(formats[graph], kv, recipe_name=get("weights"), vocab_size=number("vocab_size"),
                         num_layers=number("num_layers"))
@@ -167,7 +182,7 @@ def _pte_methods(spec: ArtefactSpec) -> dict[str, Any]:
 def _from_pte(methods: Mapping[str, Any]) -> ArtefactSpec:
     window = int(methods.get("edgefinfer_window", 0)) or None
     max_chunk = int(methods["get_max_seq_len"])
-    kv = KVCache("window" if window else "static",
+    kv = KVSpec(Layout.WINDOW if window else Layout.STATIC,
                  max_seq_len=None if window else int(methods.get("get_max_context_len", max_chunk)),
                  window=window, sinks=int(methods.get("edgefinfer_num_sinks", 0)),
                  lookahead=int(methods.get("edgefinfer_lookahead", 0)) or None, max_chunk=max_chunk)
@@ -195,7 +210,7 @@ def _from_manifest(meta: Mapping[str, Any]) -> ArtefactSpec:
     """`meta`: a manifest entry's meta with the entry's own `format` and `recipe` fields merged in."""
     cache = meta.get("kv") if isinstance(meta.get("kv"), dict) else {}
     try:
-        kv = KVCache(cache.get("layout", "static"), max_seq_len=cache.get("max_seq_len"), window=cache.get("window"),
+        kv = KVSpec(cache.get("layout", Layout.STATIC), max_seq_len=cache.get("max_seq_len"), window=cache.get("window"),
                      sinks=cache.get("num_sinks"), lookahead=cache.get("lookahead"), max_chunk=cache.get("max_chunk"))
     except UserError as e:
         raise UserError(f"the manifest's kv entry is malformed ({e}); rebuild the bundle") from None

@@ -8,7 +8,7 @@ loading torch (`edgefinfer.eager_decode` holds the eager torch token loop).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Literal
 
 from edgefinfer.tokenizer import IncrementalDecoder, Tokenizer
 
@@ -36,7 +36,7 @@ class GenerationStats:
 class Generation:
     text: str
     token_ids: list[int]
-    finish_reason: str  # "stop" (EOS or stop string) | "length"
+    finish_reason: str  # `finish_reason`'s answer: "stop" | "length"
     stats: GenerationStats = field(default_factory=GenerationStats)
 
 
@@ -81,6 +81,21 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str, chat: bool, add_special_tok
     return tokenizer.encode(text, add_special_tokens=add_special_tokens or not chat)
 
 
+FinishReason = Literal["stop", "length"]
+
+
+def finish_reason(*, stop_id: bool = False, stop_string: bool = False, grammar_done: bool = False,
+                  at_limit: bool = False) -> FinishReason | None:
+    """Why a generation ends after its latest token, or None while it goes on: the one rule of the
+    device loop (`detokenize`, `Engine.stream_ids`) and the server's scheduler (`Scheduler._emit`).
+    A stop id, a matched stop string or a complete grammar end it as "stop" (the output is whole,
+    even when that token was also the last one allowed); the length limit (max_tokens, the context)
+    as "length". The callers test a stop id before the token becomes text (it is never shown)."""
+    if stop_id or stop_string or grammar_done:
+        return "stop"
+    return "length" if at_limit else None
+
+
 def stop_token_ids(eos_ids: Iterable[int], tokenizer: Tokenizer) -> tuple[int, ...]:
     """The ids that end a generation: the model's end-of-sequence ids, then the tokenizer's, each once."""
     ids = [*eos_ids, *([tokenizer.eos_id] if tokenizer.eos_id is not None else [])]
@@ -98,16 +113,16 @@ def detokenize(tokenizer: Tokenizer, tokens: Iterator[int], stop_ids: tuple[int,
         for tok in tokens:
             if on_token is not None:
                 on_token(tok)
-            if tok in stop_ids:
-                result.finish_reason = "stop"
+            if reason := finish_reason(stop_id=tok in stop_ids):
+                result.finish_reason = reason
                 break
             result.token_ids.append(tok)
             out, stopped = matcher.push(decoder.push(tok))
             result.text += out
             if out:
                 yield out
-            if stopped:
-                result.finish_reason = "stop"
+            if reason := finish_reason(stop_string=stopped):
+                result.finish_reason = reason
                 return
         out, _ = matcher.push(decoder.flush())
         out += matcher.flush()

@@ -27,6 +27,7 @@ metadata, and the weights under llama.cpp's tensor names, usually quantized. Thr
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -42,7 +43,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, proc
 from tokenizers import Tokenizer as HFTokenizer
 
 from edgefinfer.checkpoint import save_model
-from edgefinfer.config import FULL, SLIDING, ModelConfig
+from edgefinfer.config import FULL, SLIDING, ModelConfig, normalize_eos_ids
 from edgefinfer.errors import UserError
 from edgefinfer.model import Transformer
 from edgefinfer.model_files import check_gguf
@@ -405,6 +406,19 @@ def _eos_ids(g: GGUFFile) -> int | list[int] | None:
             if k == _CONTROL and t in _END_OF_GENERATION]
     ids = list(dict.fromkeys(ids))
     return None if not ids else ids[0] if len(ids) == 1 else ids
+
+
+def gguf_vocabulary(path: str | Path) -> tuple[Tokenizer, tuple[int, ...]]:
+    """(the file's tokenizer, the ids llama.cpp ends generation on), read once per file version:
+    parsing a GGUF's metadata takes seconds, and the runtime, the server and its replicas all ask."""
+    path = Path(path)
+    return _vocabulary(path, path.stat().st_mtime)
+
+
+@functools.lru_cache(maxsize=4)
+def _vocabulary(path: Path, mtime: float) -> tuple[Tokenizer, tuple[int, ...]]:
+    g = open_gguf(path)
+    return tokenizer_from_gguf(g), normalize_eos_ids(_eos_ids(g))
 
 
 # ---- weights ---------------------------------------------------------------------------------------

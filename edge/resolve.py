@@ -14,12 +14,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from edgefinfer.artefact import ArtefactSpec, read_spec
 from edgefinfer.bundle import MANIFEST, Artefact, Manifest, load_manifest
 from edgefinfer.config import normalize_eos_ids
 from edgefinfer.errors import UserError
+
+if TYPE_CHECKING:
+    from edgefinfer.tokenizer import Tokenizer
 
 Kind = Literal["bundle", "artefact", "checkpoint"]
 # The backend that runs each artefact file type (a bundle's entries name theirs).
@@ -51,6 +54,38 @@ class ModelSource:
         """The config's EOS ids; None when no config names them (a GGUF carries its own)."""
         eos = (self.hf_config or {}).get("eos_token_id")
         return None if eos is None else normalize_eos_ids(eos)
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.path.suffix == ".gguf" and self.path.is_file()
+
+    def tokenizer(self) -> "Tokenizer":
+        """The model's tokenizer, found one way for `run`, `serve` and the checks: a tokenizer.json in
+        the model's folder (a bundle's, a HF folder's, or one put beside a bare artefact), else a
+        GGUF's own vocabulary (split as llama.cpp splits it). A one-line UserError when neither is."""
+        from edgefinfer.tokenizer import Tokenizer
+
+        if (self.folder / "tokenizer.json").is_file():
+            return Tokenizer.from_dir(self.folder)
+        if self.is_gguf:
+            from edgefinfer.gguf_import import gguf_vocabulary
+
+            return gguf_vocabulary(self.path)[0]
+        raise UserError(f"no tokenizer.json next to {self.path}; put the model's tokenizer.json beside it")
+
+    def stop_ids(self, tokenizer: "Tokenizer") -> tuple[int, ...]:
+        """The ids that end this model's generations, the one rule for `run` and `serve`: the EOS ids
+        of the model's config (config.json, a bundle's manifest copy) where one names them, else a
+        GGUF's own (EOS, EOT, EOM and the control tokens llama.cpp ends on), then the tokenizer's EOS.
+        A bare .gguf therefore stops where llama.cpp stops, whichever command runs it."""
+        from edgefinfer.generation import stop_token_ids
+
+        eos = self.eos_ids
+        if eos is None and self.is_gguf:
+            from edgefinfer.gguf_import import gguf_vocabulary
+
+            eos = gguf_vocabulary(self.path)[1]
+        return stop_token_ids(eos or (), tokenizer)
 
 
 def resolve(model: str | Path, backend: str | None = None, *, format: str | None = None,

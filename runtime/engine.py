@@ -16,12 +16,13 @@ import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator, Literal
 
 import psutil
 
+from edgefinfer.artefact import Layout
 from edgefinfer.errors import UserError
-from edgefinfer.generation import Generation, detokenize, encode_prompt, stop_token_ids
+from edgefinfer.generation import Generation, detokenize, encode_prompt, finish_reason, stop_token_ids
 from edgefinfer.resolve import resolve
 from edgefinfer.runtime.backends.base import Backend
 from edgefinfer.runtime.decode import Speculation, generate_tokens
@@ -40,10 +41,20 @@ ResponseFormat = dict | Constraint | Grammar | None
 class KVOption:
     """`--kv` option: static (default) | window:N[,sinks:S] | paged:BLOCK (the shared paged-KV manager)."""
 
-    kind: str = "static"
+    kind: Literal["static", "window", "paged"] = "static"
     window: int | None = None
     sinks: int = 0
     block_size: int | None = None
+
+    @property
+    def layout(self) -> Layout | None:
+        """The exported layout this option asks for; None for the paged manager (chosen when running,
+        never built into an artefact)."""
+        return None if self.paged else Layout(self.kind)
+
+    @property
+    def paged(self) -> bool:
+        return self.kind == "paged"
 
     @classmethod
     def parse(cls, text: str | None) -> "KVOption":
@@ -103,28 +114,26 @@ def open_backend(path: str | Path, kind: str | None = None, kv: KVOption = KVOpt
                  max_seq_len: int | None = None) -> tuple[Backend, Tokenizer, dict]:
     """The backend and tokenizer for an artefact path (see `edgefinfer.resolve`); `kind` forces a backend."""
     src = resolve(path, kind)
-    eos = src.eos_ids or ()
     if src.kind == "bundle":
         if src.entry.format == "qnn-context":  # static graphs: QNN EP (HTP / emulator) or CPU EP, see open_qnn
             from edgefinfer.runtime.backends.ort import open_qnn
 
-            if kv.kind != "static":
+            if kv.layout is not Layout.STATIC:
                 raise UserError("a QNN bundle's cache is fixed at build time (a window of --max-seq-len slots); "
                                 "drop --kv")
             backend = open_qnn(src.folder, src.entry.meta, threads=threads)
         else:
             backend = _open(src.path, src.backend, kv, threads, max_seq_len)
-        info = {"bundle": src.manifest.target, "artefact": src.entry.path, "eos_ids": eos, "path": str(src.path),
-                "sha256": src.entry.sha256}
-        return backend, Tokenizer.from_dir(src.folder), info
-    backend = _open(src.path, src.backend, kv, threads, max_seq_len)
-    return backend, _tokenizer_for(src.path, src.backend), {"artefact": str(src.path), "eos_ids": eos,
-                                                            "path": str(src.path)}
+        info = {"bundle": src.manifest.target, "artefact": src.entry.path, "sha256": src.entry.sha256}
+    else:
+        backend, info = _open(src.path, src.backend, kv, threads, max_seq_len), {"artefact": str(src.path)}
+    tokenizer = src.tokenizer()
+    return backend, tokenizer, {**info, "eos_ids": src.stop_ids(tokenizer), "path": str(src.path)}
 
 
 def _open(path: Path, kind: str | None, kv: KVOption, threads: int | None, max_seq_len: int | None) -> Backend:
-    window = kv.window if kv.kind == "window" else None
-    if kv.kind == "paged" and kind != "torch":
+    window = kv.window  # None unless --kv window:N
+    if kv.paged and kind != "torch":
         raise UserError(f"--kv paged runs on the torch backend (and in `edgefinfer serve`), not on {kind}")
     if kind == "torch":
         from edgefinfer.checkpoint import load_model
@@ -134,7 +143,7 @@ def _open(path: Path, kind: str | None, kv: KVOption, threads: int | None, max_s
             import torch
 
             torch.set_num_threads(threads)
-        if kv.kind == "paged":
+        if kv.paged:
             from edgefinfer.runtime.backends.torch_paged import PagedTorchBackend
 
             return PagedTorchBackend(load_model(path), kv.block_size, max_seq_len)
@@ -157,7 +166,7 @@ def _open(path: Path, kind: str | None, kv: KVOption, threads: int | None, max_s
 def _check_cache(backend: Backend, kv: KVOption) -> Backend:
     """A compiled artefact's cache layout is fixed at export (`backend.artefact.kv`, read from the
     artefact's own metadata): `--kv window:N` must match it."""
-    if kv.kind != "window":
+    if kv.layout is not Layout.WINDOW:
         return backend
     have = backend.artefact.kv
     if not (have.streams and (have.window, have.sinks or 0) == (kv.window, kv.sinks)):
@@ -165,17 +174,6 @@ def _check_cache(backend: Backend, kv: KVOption) -> Backend:
                         f"rebuild with `edgefinfer build --kv window:{kv.window}"
                         + (f",sinks:{kv.sinks}" if kv.sinks else "") + "` or drop --kv")
     return backend
-
-
-def _tokenizer_for(path: Path, kind: str) -> Tokenizer:
-    folder = path if path.is_dir() else path.parent
-    if (folder / "tokenizer.json").is_file():
-        return Tokenizer.from_dir(folder)
-    if kind == "llamacpp":
-        from edgefinfer.gguf_import import open_gguf, tokenizer_from_gguf
-
-        return tokenizer_from_gguf(open_gguf(path))
-    raise UserError(f"no tokenizer.json next to {path}; put the model's tokenizer.json beside it")
 
 
 class Engine:
@@ -250,8 +248,8 @@ class Engine:
             tokens = generate_tokens(self.backend, ids, max_tokens, params, self.eos_ids, self.speculation,
                                      result.stats, cancel, matcher, cached)
             yield from detokenize(self.tokenizer, tokens, self.eos_ids, stop, result, on_token)
-            if matcher is not None and matcher.finished:
-                result.finish_reason = "stop"  # the output is complete, even if it took the last allowed token
+            if reason := finish_reason(grammar_done=matcher is not None and matcher.finished):
+                result.finish_reason = reason  # the output is complete, even if it took the last allowed token
         finally:
             self._lock.release()
             result.stats.peak_rss_mb = peak_rss_mb()

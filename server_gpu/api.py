@@ -139,31 +139,9 @@ def create_app(engine: ServingEngine, model_name: str, api_key: str | None = Non
         check_model(body.model)
         if not body.messages:
             raise APIError(400, "messages must hold at least one message", param="messages")
-        try:
-            tools = tool_calls.parse_tools(body.tools or [])
-        except UserError as e:
-            raise APIError(400, str(e), param="tools") from None
-        try:
-            choice = tool_calls.parse_tool_choice(body.tool_choice, tools)
-        except UserError as e:
-            raise APIError(400, str(e), param="tool_choice") from None
-        constraint = _constraint(body)
-        calling = choice != "none"
-        if calling:
-            if constraint is not None:
-                raise APIError(400, "tools and a response_format or structured_outputs constraint exclude each "
-                                    "other; send one of them (or tool_choice \"none\")", param="response_format")
-            constraint = tool_calls.tool_call_constraint(tools, choice, body.parallel_tool_calls)
-        messages = [{"role": m.role, "content": _check_text(m.text(), "messages"),
-                     "tool_calls": [c.model_dump() for c in m.tool_calls] if m.tool_calls else None}
-                    for m in body.messages]
-        try:
-            messages = tool_calls.render_messages(messages, tools if calling else [])
-            text = engine.tokenizer.apply_chat_template(messages)
-        except UserError as e:
-            raise APIError(400, str(e), param="messages") from None
-        ids = engine.tokenizer.encode(text)
-        _check_prompt(ids, max_prompt, "messages")
+        tools, constraint = _chat_tools(body)
+        calling = bool(tools)
+        ids = _chat_prompt(engine, body, tools, max_prompt)
         top = body.top_logprobs
         if top is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
@@ -178,6 +156,41 @@ def create_app(engine: ServingEngine, model_name: str, api_key: str | None = Non
                               bool(body.stream_options and body.stream_options.include_usage))
 
     return app
+
+
+# ------------------------------------------------------------------------------------------- chat
+def _chat_tools(body: ChatCompletionRequest) -> tuple[list, Constraint | None]:
+    """(the tools the reply may call, none with tool_choice "none"; the constraint the reply follows:
+    the tool-call grammar when it may call one, else the request's response_format, if any)."""
+    try:
+        tools = tool_calls.parse_tools(body.tools or [])
+    except UserError as e:
+        raise APIError(400, str(e), param="tools") from None
+    try:
+        choice = tool_calls.parse_tool_choice(body.tool_choice, tools)
+    except UserError as e:
+        raise APIError(400, str(e), param="tool_choice") from None
+    constraint = _constraint(body)
+    if choice == "none":
+        return [], constraint
+    if constraint is not None:
+        raise APIError(400, "tools and a response_format or structured_outputs constraint exclude each "
+                            "other; send one of them (or tool_choice \"none\")", param="response_format")
+    return tools, tool_calls.tool_call_constraint(tools, choice, body.parallel_tool_calls)
+
+
+def _chat_prompt(engine: ServingEngine, body: ChatCompletionRequest, tools: list, max_prompt: int) -> list[int]:
+    """The prompt ids: the messages (and the tools they may call) through the model's chat template."""
+    messages = [{"role": m.role, "content": _check_text(m.text(), "messages"),
+                 "tool_calls": [c.model_dump() for c in m.tool_calls] if m.tool_calls else None}
+                for m in body.messages]
+    try:
+        text = engine.tokenizer.apply_chat_template(tool_calls.render_messages(messages, tools))
+    except UserError as e:
+        raise APIError(400, str(e), param="messages") from None
+    ids = engine.tokenizer.encode(text)
+    _check_prompt(ids, max_prompt, "messages")
+    return ids
 
 
 # ------------------------------------------------------------------------------------------- validation

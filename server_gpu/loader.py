@@ -4,23 +4,22 @@ MODEL is a GGUF file, a bundle folder (its GGUF artefact), a Hugging Face folder
 shipped reference model. The llama.cpp backend runs GGUF; the torch backend runs a HF folder, or a
 GGUF imported into our `Transformer`.
 
-Tokenizer: always ours (`edgefinfer.tokenizer.Tokenizer`). For a GGUF it is rebuilt from the file
-(`gguf_import.tokenizer_from_gguf`, which splits text exactly as llama.cpp does; checked at load
-against llama.cpp's own tokenizer), for a bundle or HF folder it is the folder's tokenizer.json.
+Tokenizer: always ours (`edgefinfer.tokenizer.Tokenizer`), found as `edgefinfer run` finds it
+(`ModelSource.tokenizer`): the folder's tokenizer.json (a bundle's, a HF folder's, one beside a bare
+GGUF), else rebuilt from the GGUF (`gguf_import.tokenizer_from_gguf`, which splits text exactly as
+llama.cpp does; checked at load against llama.cpp's own tokenizer).
 Token ids go to llama.cpp as ids, so both backends see the same tokens for the same text.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 from edgefinfer.errors import UserError
-from edgefinfer.generation import stop_token_ids
-from edgefinfer.resolve import resolve
+from edgefinfer.resolve import ModelSource, resolve
 from edgefinfer.server_gpu.batched_speculation import SpeculationConfig
 from edgefinfer.server_gpu.engine import ServingEngine, ServingEngineConfig
 from edgefinfer.server_gpu.interface import Executor
@@ -65,15 +64,6 @@ class ServeOptions:
 
 
 @dataclass(frozen=True)
-class _Source:
-    kind: str  # gguf | hf
-    path: Path
-    tokenizer_dir: Path | None  # a folder with tokenizer.json, or None to read the GGUF's
-    eos_ids: tuple[int, ...] | None  # None: read them from the GGUF
-    name: str
-
-
-@dataclass(frozen=True)
 class KVSettings:
     unified: bool
     dtype: str
@@ -101,7 +91,7 @@ def kv_settings(opts: ServeOptions) -> KVSettings:
 def build_engine(opts: ServeOptions) -> tuple[ServingEngine, str]:
     """The engine (not started) and the model name clients must send."""
     src = _resolve(opts.model)
-    backend = opts.backend or ("llamacpp" if src.kind == "gguf" else "torch")
+    backend = opts.backend or ("llamacpp" if src.is_gguf else "torch")
     if backend == "llamacpp":
         executor, tokenizer, eos = _llamacpp(src, opts)
     elif backend == "torch":
@@ -119,45 +109,27 @@ def build_engine(opts: ServeOptions) -> tuple[ServingEngine, str]:
     return engine, opts.served_model_name or src.name
 
 
-def _resolve(model: str) -> _Source:
+def _resolve(model: str) -> ModelSource:
     """MODEL (see `edgefinfer.resolve`) as the server runs it: a GGUF (bare, a bundle's, a shipped
-    model's) or a HF folder."""
+    model's) or a HF folder. Its tokenizer and stop ids are `ModelSource.tokenizer` / `stop_ids`, the
+    same probe and rule as `edgefinfer run`'s."""
     src = resolve(model, format="gguf", names="gguf")
-    if src.kind == "checkpoint":
-        return _Source("hf", src.path, src.folder, src.eos_ids or (), src.name)
-    if src.backend != "llamacpp":
+    if src.kind != "checkpoint" and src.backend != "llamacpp":
         raise UserError(f"{src.path} is not a .gguf file; give a GGUF, a bundle folder or a HF folder")
-    if src.kind == "bundle":  # the bundle's tokenizer.json if it ships one, else the GGUF's
-        tok_dir = src.folder if (src.folder / "tokenizer.json").is_file() else None
-        return _Source("gguf", src.path, tok_dir, src.eos_ids, src.name)
-    return _Source("gguf", src.path, None, None, src.name)
+    return src
 
 
-@functools.lru_cache(maxsize=4)
-def _gguf_tokenizer(path: Path, mtime: float) -> tuple[Tokenizer, tuple[int, ...]]:
-    """The GGUF's tokenizer and EOS ids (reading a GGUF's metadata takes seconds: once per file)."""
-    from edgefinfer.gguf_import import config_from_gguf, open_gguf, tokenizer_from_gguf
-
-    g = open_gguf(path)
-    return tokenizer_from_gguf(g), tuple(config_from_gguf(g).eos_token_ids)
+def _tokenizer(src: ModelSource) -> tuple[Tokenizer, tuple[int, ...]]:
+    """The tokenizer and the stop ids."""
+    tokenizer = src.tokenizer()
+    return tokenizer, src.stop_ids(tokenizer)
 
 
-def _tokenizer(src: _Source) -> tuple[Tokenizer, tuple[int, ...]]:
-    """The tokenizer and the stop ids (the model's EOS ids and the tokenizer's)."""
-    if src.tokenizer_dir is not None and src.eos_ids is not None:
-        tokenizer, eos = Tokenizer.from_dir(src.tokenizer_dir), src.eos_ids
-    else:
-        tokenizer, eos = _gguf_tokenizer(src.path, src.path.stat().st_mtime)
-        if src.tokenizer_dir is not None:
-            tokenizer = Tokenizer.from_dir(src.tokenizer_dir)
-    return tokenizer, stop_token_ids(eos, tokenizer)
-
-
-def _llamacpp(src: _Source, opts: ServeOptions) -> tuple[Executor, Tokenizer, tuple[int, ...]]:
+def _llamacpp(src: ModelSource, opts: ServeOptions) -> tuple[Executor, Tokenizer, tuple[int, ...]]:
     from edgefinfer.runtime.backends.llamacpp_binding import tokenizer_matches
     from edgefinfer.server_gpu.executor_llamacpp import LlamaCppExecutor
 
-    if src.kind != "gguf":
+    if not src.is_gguf:
         raise UserError(f"the llama.cpp backend runs GGUF files; {src.path} is a HF folder: build a GGUF "
                         f"(`edgefinfer build --target gpu-server`) or use --backend torch")
     kv = kv_settings(opts)
@@ -177,23 +149,22 @@ def _llamacpp(src: _Source, opts: ServeOptions) -> tuple[Executor, Tokenizer, tu
     return executor, tokenizer, stop_ids
 
 
-def _torch(src: _Source, opts: ServeOptions) -> tuple[Executor, Tokenizer, tuple[int, ...]]:
+def _torch(src: ModelSource, opts: ServeOptions) -> tuple[Executor, Tokenizer, tuple[int, ...]]:
     import torch
 
     from edgefinfer.server_gpu.executor_torch import TorchExecutor
 
     if opts.threads:
         torch.set_num_threads(opts.threads)
-    if src.kind == "gguf":
+    if src.is_gguf:
         from edgefinfer.gguf_import import import_gguf
 
-        model, tokenizer = import_gguf(src.path)
-        if src.tokenizer_dir is not None:
-            tokenizer = Tokenizer.from_dir(src.tokenizer_dir)
+        model = import_gguf(src.path)[0]
     else:
         from edgefinfer.checkpoint import load_model
 
-        model, tokenizer = load_model(src.path), Tokenizer.from_dir(src.path)
+        model = load_model(src.path)
+    tokenizer, stop_ids = _tokenizer(src)
     if opts.batch_invariant:
         raise UserError("--batch-invariant needs the llama.cpp backend (torch pads batches, and padding changes "
                         "its kernels' rounding); serve a GGUF, or drop --batch-invariant")
@@ -203,11 +174,10 @@ def _torch(src: _Source, opts: ServeOptions) -> tuple[Executor, Tokenizer, tuple
     executor = TorchExecutor(model, max_num_seqs=opts.max_num_seqs, max_model_len=opts.max_model_len,
                              block_size=opts.block_size, num_blocks=opts.kv_blocks, device=opts.device,
                              kv_dtype=kv_dtype)
-    eos = src.eos_ids if src.eos_ids else tuple(model.config.eos_token_ids)
-    return executor, tokenizer, stop_token_ids(eos, tokenizer)
+    return executor, tokenizer, stop_ids
 
 
-def _speculation(opts: ServeOptions, src: _Source, backend: str, executor: Executor) -> SpeculationConfig | None:
+def _speculation(opts: ServeOptions, src: ModelSource, backend: str, executor: Executor) -> SpeculationConfig | None:
     if not opts.speculative:
         return None
     from edgefinfer.runtime.engine import SpeculativeOption
@@ -222,7 +192,7 @@ def _speculation(opts: ServeOptions, src: _Source, backend: str, executor: Execu
     from edgefinfer.server_gpu.executor_llamacpp import LlamaDraft
 
     draft_src = _resolve(spec.path)
-    if draft_src.kind != "gguf":
+    if not draft_src.is_gguf:
         raise UserError(f"the draft model must be a GGUF (or a bundle with one), got {spec.path}")
     draft = LlamaDraft(draft_src.path, executor.max_num_seqs, executor.max_model_len, opts.threads)
     if draft.model.vocab_size != executor.vocab_size:

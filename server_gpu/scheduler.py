@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from edgefinfer.errors import UserError
+from edgefinfer.generation import finish_reason
 from edgefinfer.runtime.decode import pick_token, verify_draft
 from edgefinfer.runtime.kv.paged_manager import NoRoom, PagedKVManager, SlotPlan
 from edgefinfer.runtime.speculative.proposers import Draft
@@ -419,34 +420,11 @@ class Scheduler:
 
     def _emit(self, seq: Seq, tokens: list[int], rows: np.ndarray, now: float,
               touched: dict[str, tuple[Request, list[ChoiceDelta]]]) -> None:
-        """Append sampled tokens (rows [len(tokens), V] scored them) to a sequence, stopping at EOS, a
-        stop string or a length limit."""
-        request, p, stats = seq.request, seq.request.params, self._stats
-        if request.first_token_time is None:
-            request.first_token_time = now
-            stats.ttft_s.append(now - request.arrival_time)
-        if seq.last_emit_time is not None:
-            stats.itl_s.extend([(now - seq.last_emit_time) / len(tokens)] * len(tokens))
-        seq.last_emit_time = now
-        text, emitted, finish, stop_string = "", [], None, False
-        for tok in tokens:
-            seq.tokens.append(tok)
-            emitted.append(tok)
-            stats.generated += 1
-            if tok in self.stop_ids and not p.ignore_eos:
-                finish = "stop"
-                break
-            out, stop_string = seq.text.push(tok)
-            text += out
-            if stop_string:
-                finish = "stop"
-                break
-            if seq.matcher is not None and len(emitted) == len(tokens) and seq.matcher.finished:
-                finish = "stop"  # the grammar is complete (as the runtime ends it, without an EOS step)
-                break
-            if seq.num_output >= p.max_tokens or len(seq.tokens) >= self.config.max_model_len:
-                finish = "length"
-                break
+        """Append sampled tokens (rows [len(tokens), V] scored them) to a sequence, stopping where
+        `finish_reason` says (a stop id, a stop string, a complete grammar, a length limit)."""
+        request, p = seq.request, seq.request.params
+        self._time_tokens(seq, len(tokens), now)
+        text, emitted, finish, stop_string = self._append(seq, tokens)
         if finish is not None and not stop_string:
             text += seq.text.flush()  # text held back for a possible stop string or a split character
         logprobs = sampler.logprobs(rows[:len(emitted)], emitted, p.logprobs) if p.logprobs is not None else None
@@ -454,6 +432,36 @@ class Scheduler:
             ChoiceDelta(seq.index, text, emitted, logprobs, finish))
         if finish is not None:
             self._finish(seq, finish)
+
+    def _time_tokens(self, seq: Seq, n: int, now: float) -> None:
+        """The request's time to first token and the gaps between its tokens (`n` arrived at `now`)."""
+        request, stats = seq.request, self._stats
+        if request.first_token_time is None:
+            request.first_token_time = now
+            stats.ttft_s.append(now - request.arrival_time)
+        if seq.last_emit_time is not None:
+            stats.itl_s.extend([(now - seq.last_emit_time) / n] * n)
+        seq.last_emit_time = now
+
+    def _append(self, seq: Seq, tokens: list[int]) -> tuple[str, list[int], str | None, bool]:
+        """(text, tokens taken, finish reason or None, ended on a stop string): `tokens` appended to
+        `seq` up to the first that ends it; a stop id is taken but never becomes text."""
+        p = seq.request.params
+        text, emitted = "", []
+        for tok in tokens:
+            seq.tokens.append(tok)
+            emitted.append(tok)
+            self._stats.generated += 1
+            if finish := finish_reason(stop_id=tok in self.stop_ids and not p.ignore_eos):
+                return text, emitted, finish, False
+            out, stop_string = seq.text.push(tok)
+            text += out
+            # The grammar is judged after the step's last token (the runtime, too, ends it without an EOS step).
+            grammar_done = seq.matcher is not None and len(emitted) == len(tokens) and seq.matcher.finished
+            at_limit = seq.num_output >= p.max_tokens or len(seq.tokens) >= self.config.max_model_len
+            if finish := finish_reason(stop_string=stop_string, grammar_done=grammar_done, at_limit=at_limit):
+                return text, emitted, finish, stop_string
+        return text, emitted, None, False
 
     def _finish(self, seq: Seq, reason: str) -> None:
         self._release(seq)

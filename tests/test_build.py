@@ -104,12 +104,13 @@ def test_8da8w_candidate_is_measured_quantized(tiny_dir):
 
     from edgefinfer.app.build import quantize_for
     from edgefinfer.checkpoint import load_model
+    from edgefinfer.recipe import Recipe
     from edgefinfer.compile.executorch_export import resolve_options
     from edgefinfer.compile.quant.modules import QuantEmbedding, QuantLinear
     from edgefinfer.targets import get_target
 
     model = load_model(tiny_dir)
-    quantized = quantize_for(model, get_target("android"), "8da8w", None)
+    quantized = quantize_for(model, get_target("android"), Recipe.parse("8da8w"), None)
     formats = {(type(m).__name__, m.fmt.label(), getattr(m, "act_quant", None)) for m in quantized.modules()
                if isinstance(m, (QuantLinear, QuantEmbedding))}
     assert formats == {("QuantLinear", "int8-pc-sym", True), ("QuantEmbedding", "int8-pc-sym", None)}
@@ -117,7 +118,7 @@ def test_8da8w_candidate_is_measured_quantized(tiny_dir):
     with torch.no_grad():
         assert not torch.equal(quantized(ids), model(ids))
     opts = resolve_options(quantized, recipe="8da8w")
-    assert opts["prequantized"] and opts["scheme"] == "8da8w"  # export_pte takes these codes as they are
+    assert opts.prequantized and opts.scheme == "8da8w"  # export_pte takes these codes as they are
 
 
 def test_llamacpp_quantizer_candidate_is_scored_on_the_file_it_writes(tmp_path, tiny_dir, monkeypatch):

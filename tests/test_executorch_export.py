@@ -9,6 +9,7 @@ it cannot run on Linux).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 
 import numpy as np
@@ -320,7 +321,15 @@ def test_cache_key_changes_with_weights_and_options(model):
 
     opts = resolve_options(model, max_seq_len=MAX_SEQ)
     key = export_key(model, opts)
-    assert export_key(model, dict(opts, max_seq_len=128)) != key
+    assert export_key(model, resolve_options(model, max_seq_len=MAX_SEQ)) == key  # deterministic
+    # Every typed option is in the key: each may change the program's bytes.
+    others = {"scheme": "8da8w", "recipe_name": "8da8w", "group_size": 64, "embedding_4bit": True, "prequantized": True,
+              "layout": "window", "max_seq_len": 128, "max_chunk": 5, "window": 8, "num_sinks": 4, "lookahead": 3,
+              "delegate": "coreml", "custom_ops": False, "all_logits": False, "bos_id": 7, "eos_ids": (9,),
+              "platform": "mt6991", "calibration": ((1, 2),)}
+    assert set(others) == {f.name for f in dataclasses.fields(opts)}
+    for name, other in others.items():
+        assert export_key(model, dataclasses.replace(opts, **{name: other})) != key, name
     changed = tiny_model(vocab_size=VOCAB, eos_token_id=model.config.eos_token_id)
     with torch.no_grad():
         changed.load_state_dict(model.state_dict())

@@ -105,7 +105,7 @@ def test_prequantized_models_must_match_and_fit_xnnpack(tmp_path):
     from edgefinfer.compile.quant import parse_recipe, quantize_model
 
     q = quantize_for_xnnpack(tiny_model(), "8da4w")
-    assert resolve_options(q, recipe="8da4w")["prequantized"]
+    assert resolve_options(q, recipe="8da4w").prequantized
     with pytest.raises(UserError, match="already quantized as 8da4w"):
         resolve_options(q, recipe="8da8w")
     weight_only = tiny_model()

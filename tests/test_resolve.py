@@ -64,8 +64,8 @@ def test_config_eos_and_errors(paths):
 
 def test_the_server_takes_a_gguf_or_a_hf_folder(paths):
     hf = serve_source(str(paths / "hf"))
-    assert (hf.kind, hf.tokenizer_dir, hf.eos_ids) == ("hf", paths / "hf", (2, 3))
+    assert (hf.kind, hf.is_gguf, hf.folder, hf.eos_ids) == ("checkpoint", False, paths / "hf", (2, 3))
     bundle = serve_source(str(paths / "bundle"))
-    assert (bundle.kind, bundle.path.name, bundle.name, bundle.eos_ids) == ("gguf", "model.gguf", "tiny", None)
+    assert (bundle.is_gguf, bundle.path.name, bundle.name, bundle.eos_ids) == (True, "model.gguf", "tiny", None)
     with pytest.raises(UserError, match="is not a .gguf file"):
         serve_source(str(paths / "m.pte"))

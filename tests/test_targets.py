@@ -58,12 +58,14 @@ def test_a_llamacpp_build_keeps_the_grid_of_the_gguf_the_weights_came_from(tmp_p
 
 def test_a_default_recipe_keeps_the_bits_the_source_gguf_gave_each_matrix(tmp_path):
     from edgefinfer.app.build import source_precision
+    from edgefinfer.recipe import Recipe
 
     types = {"model.layers.0.self_attn.q_proj": "Q5_0", "model.layers.0.self_attn.o_proj": "Q4_K",
              "model.layers.0.mlp.down_proj": "Q6_K", "model.embed_tokens": "Q8_0"}
     (tmp_path / "source.json").write_text(json.dumps({"gguf_type": "q4_k_m", "tensor_types": types}))
-    kept = source_precision(tmp_path, "8da4w-g32-fzp")
+    kept = source_precision(tmp_path, Recipe.parse("8da4w-g32-fzp"))
     assert sorted(kept) == ["model.layers.0.mlp.down_proj", "model.layers.0.self_attn.q_proj"]  # 6 and 5 bits
     assert {(f.bits, f.group_size, f.symmetric) for f in kept.values()} == {(8, None, True)}
-    assert source_precision(tmp_path, "int8") == {} and source_precision(tmp_path, "llamacpp-q4_k_m") == {}
-    assert source_precision(tmp_path, "fp32") == {} and source_precision(tmp_path / "elsewhere", "int4-g32") == {}
+    for name, folder in (("int8", tmp_path), ("llamacpp-q4_k_m", tmp_path), ("fp32", tmp_path),
+                         ("int4-g32", tmp_path / "elsewhere")):
+        assert source_precision(folder, Recipe.parse(name)) == {}

@@ -30,9 +30,10 @@ from typing import Any, Callable
 
 from edgefinfer.app.bundle_readme import bundle_readme
 from edgefinfer.app.model_arg import DEFAULT_MODEL, resolve_model
-from edgefinfer.artefact import KVCache
+from edgefinfer.artefact import KVSpec, Layout
 from edgefinfer.bundle import BundleWriter
 from edgefinfer.errors import UserError
+from edgefinfer.recipe import LLAMACPP_PREFIX, Recipe
 from edgefinfer.targets import Target, get_target
 
 # Candidate recipes per artefact format for --quality-budget, smallest first; at one size the cheap
@@ -44,10 +45,6 @@ CANDIDATES: dict[str, list[str]] = {
     "gguf": ["int4-g32-sym", "int4-g32", "llamacpp-q4_1", "int4-gptq-g32", "int4-gptq-g32-fzp", "int8-g32-emb8",
              "fp16"],
 }
-FLOAT_RECIPES = ("fp32", "fp16")
-# GGUF recipes quantized by llama.cpp's own quantizer (llama_model_quantize) from the float model:
-# "llamacpp-q4_1" etc. Their eager reference is the written file, dequantized.
-LLAMACPP_PREFIX = "llamacpp-"
 # The peer runner that reads a format's tokenizer.json (llama.cpp reads the GGUF's own vocabulary).
 RUNNER_DIALECT = {"pte": "executorch", "onnx": "onnxruntime-genai"}
 
@@ -95,7 +92,8 @@ def build(opts: BuildOptions) -> Path:
     target = get_target(opts.target)
     target.check()  # a missing SDK fails here, before any work
     _check_budget(target, opts)
-    artefact_cache(target, opts.kv)  # so does a cache layout the target cannot have
+    kv = artefact_cache(target, opts.kv)  # so does a cache layout the target cannot have
+    given = Recipe.parse(opts.recipe) if opts.recipe else None  # and a recipe no exporter knows
     if opts.draft is not None and not Path(opts.draft).is_dir():
         raise UserError(f"draft model folder {opts.draft} does not exist")
     from edgefinfer.tokenizer import Tokenizer
@@ -119,16 +117,16 @@ def build(opts: BuildOptions) -> Path:
     float_ppl, reused = _float_perplexity(model, test_ids, opts.eval_window, prefix)
     done((f": {float_ppl:.3f}" if float_ppl else "") + (" (reused the artefact cache)" if reused else ""))
 
-    recipe = opts.recipe or default_recipe(target, folder)
+    recipe = given or Recipe.parse(default_recipe(target, folder))
     # A default recipe re-quantizes no matrix below the bits its source GGUF gave it (an explicit one is
     # taken as it is, and a quality budget measures its candidates anyway).
-    kept = source_precision(folder, recipe) if opts.recipe is None and opts.quality_budget is None else {}
+    kept = source_precision(folder, recipe) if given is None and opts.quality_budget is None else {}
     if prequantized is not None:  # `edgefinfer quantize` already chose: export those codes as they are
         if opts.recipe or opts.quality_budget is not None:
-            raise UserError(f"{folder} is already quantized ({prequantized}); drop --recipe/--quality-budget "
+            raise UserError(f"{folder} is already quantized ({prequantized.name}); drop --recipe/--quality-budget "
                             f"or build from the float checkpoint")
         recipe = prequantized
-        done = log.step(3, n_steps, f"use the checkpoint's quantization ({recipe})")
+        done = log.step(3, n_steps, f"use the checkpoint's quantization ({recipe.name})")
         quantized = model
     tried: list[Candidate] = []
     if opts.quality_budget is not None:
@@ -136,7 +134,7 @@ def build(opts: BuildOptions) -> Path:
         candidates = eager_candidates(model, target, tokenizer, float_ppl, test_ids, opts, tried)
     else:
         if prequantized is None:
-            done = log.step(3, n_steps, f"quantize ({recipe})")
+            done = log.step(3, n_steps, f"quantize ({recipe.name})")
             check_recipe(model, target, recipe)
             if kept:
                 print(f"  {len(kept)} matrices stay at 8 bits: the GGUF the weights came from stored them with "
@@ -146,15 +144,15 @@ def build(opts: BuildOptions) -> Path:
     recipe, quantized = next(candidates, (None, None))
     if recipe is None:
         raise budget_error(target, opts.quality_budget, tried)
-    done(f": {recipe}")
+    done(f": {recipe.name}")
 
     model_meta = {"name": folder.name, "config": model.config.to_hf(), "source": str(folder)}
     with BundleWriter(out, target=target.name, model=model_meta) as writer:
         tokenizer.save(writer.tmp)  # beside the artefact: its runtime loads it to evaluate
         while True:  # with a budget: until a compiled artefact's own runtime confirms it
-            done = log.step(4, n_steps, f"compile {target.format} for {target.name} ({recipe})")
+            done = log.step(4, n_steps, f"compile {target.format} for {target.name} ({recipe.name})")
             t_build = time.perf_counter()
-            art_files, meta = compile_artefact(target, quantized, tokenizer, recipe, writer.tmp, opts)
+            art_files, meta = compile_artefact(target, quantized, tokenizer, recipe, kv, writer.tmp, opts)
             build_s = time.perf_counter() - t_build
             done(" (reused the artefact cache)" if meta.get("cached") else "")
             done = log.step(5, n_steps, "evaluate the artefact with its runtime")
@@ -175,13 +173,13 @@ def build(opts: BuildOptions) -> Path:
         (writer.tmp / "README.txt").write_text(bundle_readme(target, art_files[0], tokenizer))
         writer.add("README.txt", format="text", role="readme")
         main = art_files[0]
-        writer.add(main, format=target.format, role="model", backend=target.backend, recipe=recipe,
+        writer.add(main, format=target.format, role="model", backend=target.backend, recipe=recipe.name,
                    **_manifest_meta(meta), metrics={**figures, "build_s": round(build_s, 1)})
         for extra in art_files[1:]:
             writer.add(extra, format=f"{target.format}-data", role="weights", backend=target.backend)
         if opts.draft is not None:
-            _add_draft(writer, target, Path(opts.draft), tokenizer, opts)
-        writer.manifest.recipe = {"name": recipe, "target_default": target.recipe,
+            _add_draft(writer, target, Path(opts.draft), tokenizer, kv, opts)
+        writer.manifest.recipe = {"name": recipe.name, "target_default": target.recipe,
                                   "quality_budget_pct": opts.quality_budget}
         if tried:
             writer.manifest.recipe["candidates"] = [c.to_dict() for c in tried]
@@ -191,14 +189,14 @@ def build(opts: BuildOptions) -> Path:
                                    "eval_split": "test", **figures, "build_s": round(build_s, 1)}
         bundle = writer.commit()
     size = sum(a.size for a in writer.manifest.artefacts if a.role in ("model", "weights"))
-    print_summary(target, recipe, main, size, float_ppl, figures, build_s)
+    print_summary(target, recipe.name, main, size, float_ppl, figures, build_s)
     return bundle
 
 
 # ---- steps ----------------------------------------------------------------------------------------------
 
-def _load(folder: Path):
-    """(model, recipe name) for a quantized checkpoint, (model, None) for a float one."""
+def _load(folder: Path) -> tuple[Any, Recipe | None]:
+    """(model, its recipe) for a quantized checkpoint, (model, None) for a float one."""
     from edgefinfer.checkpoint import load_config, load_model
 
     if "quantization_config" not in load_config(folder).extra:
@@ -206,7 +204,7 @@ def _load(folder: Path):
     from edgefinfer.compile.quant.checkpoint import load_quantized
 
     model, recipe = load_quantized(folder)
-    return model, recipe.name
+    return model, Recipe.of(recipe)
 
 
 def _runner_tokenizer(tokenizer, dialect: str, test_ids: list[int]):
@@ -288,24 +286,19 @@ def _float_perplexity(model, test_ids: list[int], window: int, prefix: list[int]
     return figures["ppl"], reused
 
 
-def quantized_by_us(recipe: str) -> bool:
-    """Whether our quantizers make `recipe` (float, QNN's QDQ and llama.cpp's quantizer are the exporters')."""
-    return not (recipe in FLOAT_RECIPES or recipe.startswith(("qdq-", LLAMACPP_PREFIX)))
-
-
-def source_precision(folder: Path, recipe: str) -> dict[str, Any]:
+def source_precision(folder: Path, recipe: Recipe) -> dict[str, Any]:
     """Module -> the 8-bit format for each matrix that the GGUF the weights were converted from stored
     above `recipe`'s bits (Gemma 3 270M's Q4_K_M: Q5_0 where a row of 640 fits no K-quant, Q6_K and Q8_0
     beside Q4_K). Re-rounding a 5- or 6-bit grid to 4 bits loses what the source kept; per-channel int8
     is what both the XNNPACK and the MatMulNBits exports take beside 4-bit layers. Empty for recipes
     outside our integer grammar and for models not converted from a GGUF."""
-    from edgefinfer.compile.quant.recipe import WeightFormat, parse_recipe
+    from edgefinfer.compile.quant.recipe import WeightFormat
     from edgefinfer.gguf_import import source_tensor_bits
 
     bits = source_tensor_bits(folder)
-    if not bits or not quantized_by_us(recipe):
+    if not bits or not recipe.quantized_by_us:
         return {}
-    weights = parse_recipe(recipe).weights
+    weights = recipe.quant.weights
     if weights.kind != "int":
         return {}
     int8 = WeightFormat(kind="int", bits=8, group_size=None, symmetric=True)
@@ -313,17 +306,16 @@ def source_precision(folder: Path, recipe: str) -> dict[str, Any]:
             if b > weights.bits and name not in ("model.embed_tokens", "lm_head")}  # those: the recipe's -emb
 
 
-def quantize_for(model, target: Target, recipe: str, tokenizer, overrides: dict[str, Any] | None = None):
+def quantize_for(model, target: Target, recipe: Recipe, tokenizer, overrides: dict[str, Any] | None = None):
     """The model as the exporter should see it: quantized by our recipes (with per-module `overrides`
     of their formats), or float. What comes back is what the artefact computes (the exporters re-pack
     quantized layers without re-quantizing), so its eager perplexity is the artefact's up to the
     runtime's float arithmetic."""
-    if not quantized_by_us(recipe):
+    if not recipe.quantized_by_us:
         return model  # exporters handle float, Core ML fp16, QNN QDQ and llama.cpp's quantizer themselves
     from edgefinfer.compile.quant.apply import quantize_model
-    from edgefinfer.compile.quant.recipe import parse_recipe
 
-    parsed = parse_recipe(recipe)
+    parsed = recipe.quant
     if overrides:
         parsed = parsed.with_overrides(overrides)
     calib = None
@@ -365,28 +357,29 @@ def _cached_quantization(model, recipe, calib, quantize: Callable) -> Any:
     return quantized
 
 
-def compile_artefact(target: Target, model, tokenizer, recipe: str, folder: Path,
+def compile_artefact(target: Target, model, tokenizer, recipe: Recipe, cache: KVSpec, folder: Path,
                      opts: BuildOptions) -> tuple[list[str], dict]:
-    """Write the target's artefact(s) into `folder`; returns (files, metadata), the main file first."""
+    """Write the target's artefact(s) into `folder` with KV cache `cache` (`artefact_cache`); returns
+    (files, metadata), the main file first."""
     eos = model.config.eos_token_ids
-    cache = artefact_cache(target, opts.kv)
     if target.format == "gguf":
         from edgefinfer.compile.gguf_export import export_gguf
 
         # Quantized layers keep their codes (Q4_0 / Q4_1 / Q8_0, or refused); float matrices are F16,
         # or, for llamacpp-* recipes, whatever llama.cpp's quantizer makes of them.
-        dtype = recipe.removeprefix(LLAMACPP_PREFIX) if recipe.startswith(LLAMACPP_PREFIX) else "f16"
+        dtype = recipe.variant if recipe.kind == "llamacpp" else "f16"
         return ["model.gguf"], export_gguf(model, tokenizer, folder / "model.gguf", dtype)
     if target.format == "pte":
         from edgefinfer.compile.executorch_export import export_pte
 
         from edgefinfer.compile.et_quant import is_quantized, scheme_of
 
-        # A quantized model goes as it is (8da4w if any linear is 4-bit, else 8da8w).
-        et_recipe = (scheme_of(model) if is_quantized(model) else
-                     recipe if recipe in ("fp32", "fp16", "8da8w") or recipe.startswith("qdq-") else "8da4w")
-        options = (dict(kv="window", window=cache.window, num_sinks=cache.sinks) if cache.streams else
-                   dict(kv="static", max_seq_len=opts.max_seq_len))
+        # A quantized model goes as it is (8da4w if any linear is 4-bit, else 8da8w); float and QDQ recipes
+        # name ExecuTorch's scheme themselves (fp32 / fp16, NeuroPilot's qdq-*).
+        et_recipe = (scheme_of(model) if is_quantized(model) else recipe.variant if recipe.kind == "float"
+                     else recipe.name)
+        options = (dict(kv=cache.layout, window=cache.window, num_sinks=cache.sinks) if cache.streams else
+                   dict(kv=cache.layout, max_seq_len=opts.max_seq_len))
         if target.delegate == "neuropilot":  # its static quantizer observes calibration text
             from edgefinfer.data import load_text
 
@@ -397,8 +390,8 @@ def compile_artefact(target: Target, model, tokenizer, recipe: str, folder: Path
     if target.format == "onnx":
         from edgefinfer.compile.onnx_export import export_onnx
 
-        meta = export_onnx(model, folder, **(dict(kv="window", window=cache.window) if cache.streams else
-                                             dict(kv="static", max_seq_len=opts.max_seq_len)))
+        meta = export_onnx(model, folder, **(dict(kv=cache.layout, window=cache.window) if cache.streams else
+                                             dict(kv=cache.layout, max_seq_len=opts.max_seq_len)))
         files = [meta["model_file"]] + [f for f in meta["files"] if f != meta["model_file"]]
         return files, meta
     if target.format == "qnn-context":
@@ -408,7 +401,7 @@ def compile_artefact(target: Target, model, tokenizer, recipe: str, folder: Path
 
         # Activation ranges from 4 prompt-processor calls (64 tokens each) over calibration text.
         calib = [tokenizer.encode(load_text("calib")[:8000])[:256]]
-        scheme = recipe.removeprefix("qdq-") if recipe.startswith("qdq-") else "a16w8"
+        scheme = recipe.variant if recipe.kind == "qdq" else "a16w8"
         meta = build_qnn(model, folder, soc=opts.soc, context=opts.max_seq_len, scheme=scheme, calibration=calib,
                          progress=lambda m: print(f"  {m}", file=sys.stderr), record_feeds=recorded_feeds,
                          sink_token=sink_token(tokenizer), sink_of=attention_sink)
@@ -426,14 +419,14 @@ def sink_token(tokenizer) -> int:
     return ids[0] if len(ids) == 1 else (tokenizer.bos_id if tokenizer.bos_id is not None else 0)
 
 
-def artefact_cache(target: Target, kv: str | None) -> KVCache:
+def artefact_cache(target: Target, kv: str | None) -> KVSpec:
     """The KV cache `--kv` asks the artefact to be exported with (parsed once, here)."""
     from edgefinfer.runtime.engine import KVOption
 
     spec = KVOption.parse(kv)
-    if spec.kind == "static":
-        return KVCache("static")
-    if spec.kind != "window":
+    if spec.layout is Layout.STATIC:
+        return KVSpec(Layout.STATIC)
+    if spec.layout is None:
         raise UserError("--kv paged is chosen when running (edgefinfer run / serve), not built into an "
                         "artefact; build with --kv static or --kv window:N")
     if target.format not in ("pte", "onnx"):
@@ -442,7 +435,7 @@ def artefact_cache(target: Target, kv: str | None) -> KVCache:
     if target.format == "onnx" and spec.sinks:
         raise UserError("ONNX Runtime's windowed cache keeps no attention sinks: use --kv window:N, or an "
                         "ExecuTorch target (android) for sinks")
-    return KVCache("window", window=spec.window, sinks=spec.sinks)
+    return KVSpec(Layout.WINDOW, window=spec.window, sinks=spec.sinks)
 
 
 def evaluate_artefact(target: Target, path: Path, test_ids: list[int], float_ppl: float | None,
@@ -481,29 +474,27 @@ def evaluate_artefact(target: Target, path: Path, test_ids: list[int], float_ppl
             **({"measured_on": "onnxruntime CPU EP, QDQ graphs"} if target.format == "qnn-context" else {})}
 
 
-def check_recipe(model, target: Target, recipe: str) -> None:
+def check_recipe(model, target: Target, recipe: Recipe) -> None:
     """A one-line UserError, before any work, if `recipe` cannot make `target`'s artefact from `model`."""
-    if recipe in FLOAT_RECIPES or recipe.startswith("qdq-"):
+    if recipe.kind in ("float", "qdq"):
         return  # the exporters check these themselves, up front
-    if recipe.startswith(LLAMACPP_PREFIX):
+    if recipe.kind == "llamacpp":
         from edgefinfer.compile.gguf_export import LLAMA_FTYPES
 
-        ftype = recipe.removeprefix(LLAMACPP_PREFIX)
-        if target.format != "gguf" or ftype not in LLAMA_FTYPES:
-            raise UserError(f"recipe {recipe}: llama.cpp's quantizer makes GGUF files (gpu-server), with "
+        if target.format != "gguf" or recipe.variant not in LLAMA_FTYPES:
+            raise UserError(f"recipe {recipe.name}: llama.cpp's quantizer makes GGUF files (gpu-server), with "
                             f"{', '.join(LLAMACPP_PREFIX + t for t in LLAMA_FTYPES)}")
         return
     from edgefinfer.compile.quant.apply import plan_formats
-    from edgefinfer.compile.quant.recipe import parse_recipe
 
-    parsed = parse_recipe(recipe)
+    parsed = recipe.quant
     plan_formats(model, parsed)  # group sizes that do not divide the model's widths, tied-head formats
     if target.format == "gguf":
         from edgefinfer.compile.gguf_export import gguf_types_for
 
         gguf_types_for(model, parsed)  # only formats with an exact GGUF type
     elif target.format == "pte" and parsed.activations != "int8-per-token":
-        raise UserError(f"recipe {recipe}: ExecuTorch's XNNPACK runs 8da4w-* and 8da8w recipes (int4 / int8 weights, "
+        raise UserError(f"recipe {recipe.name}: ExecuTorch's XNNPACK runs 8da4w-* and 8da8w recipes (int4 / int8 weights, "
                         "int8 dynamic activations) or fp32")
 
 
@@ -542,27 +533,28 @@ def eager_candidates(model, target: Target, tokenizer, float_ppl: float, test_id
     within budget; every candidate's outcome (skipped and why, or measured) is appended to `tried`."""
     from edgefinfer.compile.quant.modules import model_size_bytes
 
-    for recipe in CANDIDATES.get(target.format, [target.recipe]):
+    for name in CANDIDATES.get(target.format, [target.recipe]):
+        recipe = Recipe.parse(name)  # once per candidate: every step below takes the value
         try:
             check_recipe(model, target, recipe)
         except UserError as e:
-            print(f"  candidate {recipe:<22} skipped: {e}", file=sys.stderr)
-            tried.append(Candidate(recipe, skipped=str(e)))
+            print(f"  candidate {name:<22} skipped: {e}", file=sys.stderr)
+            tried.append(Candidate(name, skipped=str(e)))
             continue
         quantized = quantize_for(model, target, recipe, tokenizer)
-        scored, size = (_llamacpp_weights(model, tokenizer, recipe) if recipe.startswith(LLAMACPP_PREFIX) else
+        scored, size = (_llamacpp_weights(model, tokenizer, recipe) if recipe.kind == "llamacpp" else
                         (quantized, model_size_bytes(quantized)))
         ppl = _perplexity_of(lambda ids: scored(ids), test_ids, opts.eval_window, tokenizer.scoring_prefix)
-        tried.append(Candidate(recipe, size_bytes=size,
+        tried.append(Candidate(name, size_bytes=size,
                                eager_ppl_delta=round(100 * (ppl / float_ppl - 1), 3)))
         within = tried[-1].eager_ppl_delta <= opts.quality_budget
-        print(f"  candidate {recipe:<22} eager ppl {ppl:8.3f} ({tried[-1].eager_ppl_delta:+.2f}%) "
+        print(f"  candidate {name:<22} eager ppl {ppl:8.3f} ({tried[-1].eager_ppl_delta:+.2f}%) "
               f"{'within budget: compile it' if within else 'over budget'}", file=sys.stderr)
         if within:
             yield recipe, quantized
 
 
-def _llamacpp_weights(model, tokenizer, recipe: str):
+def _llamacpp_weights(model, tokenizer, recipe: Recipe):
     """(model, file bytes): the weights llama.cpp's quantizer gives the model, the file written and
     read back (gguf-py dequantizes every type exactly), so the candidate is scored on what it holds."""
     import tempfile
@@ -571,7 +563,7 @@ def _llamacpp_weights(model, tokenizer, recipe: str):
     from edgefinfer.gguf_import import import_gguf
 
     with tempfile.TemporaryDirectory() as tmp:
-        export_gguf(model, tokenizer, Path(tmp) / "m.gguf", recipe.removeprefix(LLAMACPP_PREFIX))
+        export_gguf(model, tokenizer, Path(tmp) / "m.gguf", recipe.variant)
         return import_gguf(Path(tmp) / "m.gguf")[0], (Path(tmp) / "m.gguf").stat().st_size
 
 
@@ -600,14 +592,15 @@ def budget_error(target: Target, budget: float, tried: list[Candidate]) -> UserE
                      f"reached {delta:+.2f}% ({how}); raise --quality-budget or pass --recipe")
 
 
-def _add_draft(writer: BundleWriter, target: Target, draft: Path, tokenizer, opts: BuildOptions) -> None:
+def _add_draft(writer: BundleWriter, target: Target, draft: Path, tokenizer, kv: KVSpec, opts: BuildOptions) -> None:
     from edgefinfer.checkpoint import load_model
     from edgefinfer.tokenizer import Tokenizer
 
     if Tokenizer.from_dir(draft).backend.to_str() != tokenizer.backend.to_str():
         raise UserError(f"draft model {draft} has a different tokenizer than the target; it cannot draft for it")
-    files, meta = compile_artefact(target, quantize_for(load_model(draft), target, target.recipe, tokenizer),
-                                   tokenizer, target.recipe, writer.tmp / "draft", opts)
+    recipe = Recipe.parse(target.recipe)
+    files, meta = compile_artefact(target, quantize_for(load_model(draft), target, recipe, tokenizer),
+                                   tokenizer, recipe, kv, writer.tmp / "draft", opts)
     writer.add(f"draft/{files[0]}", format=target.format, role="draft", backend=target.backend,
                recipe=target.recipe, **_manifest_meta(meta))
 

@@ -211,13 +211,11 @@ def _check_genai(bundle: Path, target: str, model: Path, n: int) -> list[PeerRow
 
 
 def _stop_ids(bundle: Path) -> set[int]:
-    from edgefinfer.bundle import load_manifest
-    from edgefinfer.config import normalize_eos_ids
-    from edgefinfer.generation import stop_token_ids
-    from edgefinfer.tokenizer import Tokenizer
+    """The bundle's stop ids, by the rule `edgefinfer run` and `serve` use (`ModelSource.stop_ids`)."""
+    from edgefinfer.resolve import resolve
 
-    eos = normalize_eos_ids(load_manifest(bundle, verify=False).model.get("config", {}).get("eos_token_id"))
-    return set(stop_token_ids(eos, Tokenizer.from_dir(bundle)))
+    src = resolve(bundle)
+    return set(src.stop_ids(src.tokenizer()))
 
 
 def _without_stop(ids: list[int], stops: set[int]) -> list[int]:
@@ -293,15 +291,13 @@ def _check_llamacpp(bundle: Path, target: str, gguf: Path, n: int) -> list[PeerR
 # ---- Qualcomm QNN -------------------------------------------------------------------------------------
 
 def _check_qnn(bundle: Path, target: str, model: Path, n: int) -> list[PeerRow]:
-    from edgefinfer.bundle import load_manifest
+    from edgefinfer.resolve import resolve
     from edgefinfer.runtime.backends.ort import open_qnn
-    from edgefinfer.config import normalize_eos_ids
     from edgefinfer.runtime.engine import Engine
-    from edgefinfer.tokenizer import Tokenizer
 
-    manifest = load_manifest(bundle)
-    meta, tokenizer = manifest.artefact("model").meta, Tokenizer.from_dir(bundle)
-    eos = normalize_eos_ids(manifest.model.get("config", {}).get("eos_token_id"))
+    src = resolve(bundle)
+    meta, tokenizer = src.entry.meta, src.tokenizer()
+    eos = src.stop_ids(tokenizer)
     engines = {ep: Engine(open_qnn(bundle, meta, ep=ep, threads=1), tokenizer, eos) for ep in ("qnn", "cpu")}
     rows = []
     for name, prompt in _prompts(tokenizer).items():

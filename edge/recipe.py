@@ -1,0 +1,73 @@
+"""A build recipe: every name `edgefinfer build --recipe` accepts, parsed once where the user's string
+enters (the CLI, the Python API, a manifest) and passed on as this value.
+
+    float      fp32 | fp16              the exporter keeps float weights (fp16: Core ML's compute
+                                        precision, a GGUF's F16 matrices)
+    quant      the quantization grammar of `edgefinfer.quant_recipe` (int4-g32, 8da4w-gptq-g32-fzp,
+               8da8w, fp8, ...): our quantizers make it, `quant` holds its typed description
+    qdq        qdq-SCHEME (qdq-a16w8, ...)   static activation + weight quantization by the exporter
+                                        itself (QNN's QDQ graphs, MediaTek's NeuropilotQuantizer)
+    llamacpp   llamacpp-TYPE (llamacpp-q4_1, llamacpp-q4_k_m)   llama.cpp's own quantizer, run by the
+                                        GGUF exporter on the float model
+
+Which QDQ schemes and llama.cpp types exist is for the exporter that makes them to say (the build
+checks them up front); this tells the kinds apart, so that nothing past the boundary looks at a
+recipe's spelling. Foundation: a pure value, like the grammar it wraps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from edgefinfer.errors import UserError
+from edgefinfer.quant_recipe import QuantRecipe, parse_recipe
+
+Kind = Literal["float", "quant", "qdq", "llamacpp"]
+FLOAT_NAMES: tuple[str, ...] = ("fp32", "fp16")
+QDQ_PREFIX = "qdq-"
+LLAMACPP_PREFIX = "llamacpp-"
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str  # as the user (or the target, or a checkpoint) named it; what the manifest records
+    kind: Kind
+    quant: QuantRecipe | None = None  # kind "quant": what our quantizers apply
+    # kind "float": fp32 | fp16; "qdq": the exporter's scheme (a16w8); "llamacpp": the file type (q4_1)
+    variant: str | None = None
+
+    @classmethod
+    def parse(cls, name: str) -> "Recipe":
+        """The recipe `name` names; a one-line UserError (the grammar's) when it names none."""
+        if name in FLOAT_NAMES:
+            return cls(name, "float", variant=name)
+        for prefix, kind in ((QDQ_PREFIX, "qdq"), (LLAMACPP_PREFIX, "llamacpp")):
+            if name.startswith(prefix) and name != prefix:
+                return cls(name, kind, variant=name.removeprefix(prefix))  # type: ignore[arg-type]
+        return cls(name, "quant", quant=parse_recipe(name))
+
+    @classmethod
+    def of(cls, quant: QuantRecipe) -> "Recipe":
+        """A recipe already described (a quantized checkpoint's `quantization_config`)."""
+        return cls(quant.name, "quant", quant=quant)
+
+    @property
+    def quantized_by_us(self) -> bool:
+        """Whether our quantizers make it (float, QDQ and llama.cpp's quantizer are the exporters')."""
+        return self.kind == "quant"
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def quant_recipe_of(name: str | None) -> QuantRecipe | None:
+    """A recorded recipe name's grammar description (a manifest's, an artefact's metadata); None for
+    float, QDQ and llama.cpp recipes, for labels outside every grammar ("8da4w (pre-quantized)", mixed
+    precision) and for none."""
+    if not name:
+        return None
+    try:
+        return Recipe.parse(name).quant
+    except UserError:
+        return None
