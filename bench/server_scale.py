@@ -1,7 +1,7 @@
 """Past one process: `edgefinfer serve --replicas 2 --threads 1` on Ray Serve, routed by prompt prefix
 and round-robin, against one `edgefinfer serve --threads 2` process; same GGUF, same client, same chats.
 
-    python bench/server_scale.py           # 3 repeats per arm, 32 output tokens (about 15 minutes here)
+    python bench/server_scale.py           # 3 repeats per arm, 32 output tokens (39 minutes on the loaded 2-core host)
     python bench/server_scale.py --quick   # 1 repeat, 16 output tokens, no plot (a few minutes)
 
 Workload: 64 chats in SmolLM2's chat template, each a system turn from 4 distinct 512-token system
@@ -19,8 +19,8 @@ otherwise. Per run: output tokens/s, TTFT p50/p99, and the prefix-cache hit rate
 tokens served from a prefix cache / looked up, from the counters in /metrics before and after it,
 summed over replicas); rows hold medians of the repeats.
 
-Then the fault run, on the affinity arm: the same 64 chats, and one replica SIGKILLed when 32 have
-finished. Each request ends `done` ([DONE] after all its tokens), with an `error` event, as an HTTP
+Then the fault run, on the affinity arm: the same 64 chats, and the replica with the most requests in
+flight SIGKILLed when 32 have finished. Each request ends `done` ([DONE] after all its tokens), with an `error` event, as an HTTP
 error, or `hung` (no end within --hung-after-s); also the seconds until /metrics lists a new replica
 and until that replica has served a request.
 
@@ -100,10 +100,15 @@ def prefix_counters(url: str) -> dict[str, tuple[int, int]]:
     return {k: (v[0], v[1]) for k, v in per.items()}
 
 
-def replica_requests(url: str) -> dict[str, int]:
+def replica_gauge(url: str, name: str) -> dict[str, int]:
+    """One per-replica figure of the ingress's /metrics, by replica id."""
     text = httpx.get(url + "/metrics", timeout=30).text
     return {m[1]: int(float(m[2])) for m in
-            re.finditer(r'^edgefinfer_replica_requests_total\{replica="([^"]+)"\} (\S+)$', text, re.M)}
+            re.finditer(rf'^edgefinfer_replica_{name}\{{replica="([^"]+)"\}} (\S+)$', text, re.M)}
+
+
+def replica_requests(url: str) -> dict[str, int]:
+    return replica_gauge(url, "requests_total")
 
 
 def hit_rate(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]]) -> float:
@@ -114,10 +119,12 @@ def hit_rate(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int
 
 
 # ------------------------------------------------------------------------------------------ processes
-def engine_replicas(server: sb.ServerProcess) -> list[psutil.Process]:
-    """The Ray workers that hold an engine (Ray's processes are the serve process's descendants)."""
-    kids = psutil.Process(server.proc.pid).children(recursive=True)
-    return [p for p in kids if "EngineReplica" in " ".join(p.cmdline())]
+def busiest_replica(url: str) -> tuple[int, int]:
+    """(pid, requests in flight) of the replica with the most requests running or waiting now: the one
+    whose death tests the most."""
+    running, waiting, pids = (replica_gauge(url, n) for n in ("requests_running", "requests_waiting", "pid"))
+    busiest = max(pids, key=lambda r: (running.get(r, 0) + waiting.get(r, 0), r))
+    return pids[busiest], running.get(busiest, 0) + waiting.get(busiest, 0)
 
 
 def wait_replicas(url: str, n: int, timeout_s: float = 300) -> None:
@@ -210,7 +217,6 @@ def fault_run(server: sb.ServerProcess, work: sb.Workload, max_tokens: int, toke
     """The chats with one replica SIGKILLed once half of them have finished."""
     prompts = sb.run_prompts(work, run_index, CHATS, tokenizer)
     old = set(replica_requests(server.url))
-    victims = engine_replicas(server)
     results: list[dict] = []
     killed: dict = {}
 
@@ -221,9 +227,10 @@ def fault_run(server: sb.ServerProcess, work: sb.Workload, max_tokens: int, toke
             while queue:
                 results.append(await _outcome(client, server, queue.pop(0), max_tokens, hung_after_s))
                 if len(results) == CHATS // 2 and not kill.is_set():
-                    killed["t"], killed["pid"] = time.monotonic(), victims[0].pid
-                    victims[0].kill()
                     kill.set()
+                    killed["pid"], killed["in_flight"] = busiest_replica(server.url)
+                    psutil.Process(killed["pid"]).kill()
+                    killed["t"] = time.monotonic()
 
         async def replacement() -> dict:
             await kill.wait()
@@ -244,7 +251,7 @@ def fault_run(server: sb.ServerProcess, work: sb.Workload, max_tokens: int, toke
           f"{out['replacement_served_s']} s", flush=True)
     return {"requests": len(results), "outcomes": dict(outcomes), "hung": outcomes.get("hung", 0),
             "completed": len(done), "killed_after_requests": CHATS // 2, "killed_pid": killed.get("pid"),
-            "replicas_before": len(victims), "output_tokens": tokens,
+            "killed_replica_in_flight": killed.get("in_flight"), "replicas_before": len(old), "output_tokens": tokens,
             "tok_s": round(tokens / out["wall_s"], 2), **out,
             "every_request_done_or_error_event": set(outcomes) <= {"done", "error event"}}
 
@@ -257,6 +264,10 @@ def median_row(arm: str, runs: list[dict]) -> dict:
             "runs": len(mine), "requests": mine[0]["requests"], "retries": sum(r["retries"] for r in mine)}
 
 
+def arms_title(flags: dict[str, tuple[int, list[str]]], arms: list[str]) -> str:
+    return " / ".join(f"{arm}: --threads {flags[arm][0]} {' '.join(flags[arm][1])}".strip() for arm in arms)
+
+
 def plot(rows: list[dict], path: Path, title: str) -> None:
     import matplotlib
 
@@ -265,7 +276,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.8))
     names = [r["arm"] for r in rows]
-    for ax, key, title in ((axes[0], "prefix_hit_rate", "prefix-cache hit rate"),
+    for ax, key, heading in ((axes[0], "prefix_hit_rate", "prefix-cache hit rate"),
                            (axes[1], "tok_s", "output tokens/s"), (axes[2], None, "TTFT p50 / p99, s")):
         if key:
             ax.bar(names, [r[key] for r in rows], color=["C0", "C1", "C2"][: len(rows)])
@@ -275,7 +286,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
             ax.bar([x + 0.2 for x in xs], [r["ttft_p99_s"] for r in rows], 0.4, label="p99")
             ax.set_xticks(list(xs), names)
             ax.legend(fontsize=8)
-        ax.set_title(title)
+        ax.set_title(heading)
         ax.grid(alpha=0.3, axis="y")
     axes[0].set_ylim(0, 1)
     fig.suptitle(f"{CHATS} chats over {len(SYSTEM_SEEDS)} system prompts of {SYSTEM_TOKENS} tokens, C = {CLIENTS}: "
@@ -344,7 +355,7 @@ def main() -> None:
                    "workload": {"chats": CHATS, "clients": CLIENTS, "system_prompts": len(SYSTEM_SEEDS),
                                 "system_prompt_tokens": SYSTEM_TOKENS, "max_tokens": max_tokens,
                                 "prompt": "SmolLM2 chat template: system turn + a user question new in every run"},
-                   "arms": {arm: " ".join(["--threads", str(flags[arm][0]), *flags[arm][1]]) for arm in done},
+                   "arms": {arm: arms_title(flags, [arm]).split(": ", 1)[1] for arm in done},
                    "gpu_layers": args.gpu_layers,
                    "engine_flags": "bench/server.py's: --max-num-seqs 16 --max-model-len 2048, the defaults otherwise",
                    "quick": args.quick, "repeats": repeats,
@@ -378,7 +389,7 @@ def main() -> None:
         print(f"  {k}: {v}")
     if not args.quick:
         png = RESULTS / f"{result_stem(args.out, False)}.png"
-        plot(rows, png, " / ".join(f"{arm}: {payload['arms'][arm]}" for arm in arms))
+        plot(rows, png, arms_title(flags, arms))
         print(f"wrote {png}")
     print(f"wrote {path}")
 

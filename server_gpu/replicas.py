@@ -282,7 +282,7 @@ async def _head(stream) -> tuple[dict, bytes, bool]:
     async for message in stream:
         body, more = message.get("body", b""), message.get("more_body", False)
         held += body
-        if not more or (body and not (sse and not carries_output(body))):
+        if not more or (body and (not sse or carries_output(body))):
             return start, held, not more
     raise ConnectionError("the replica's answer ended before its body")
 
@@ -339,6 +339,7 @@ def render_cluster_metrics(stats: list[dict]) -> str:
             ("replica_requests_running", "gauge", "Sequences a replica decodes now.", "running"),
             ("replica_requests_waiting", "gauge", "Sequences waiting on a replica.", "waiting"),
             ("replica_kv_usage", "gauge", "Fraction of a replica's KV blocks in use.", "kv_usage"),
+            ("replica_pid", "gauge", "A replica's process id (which process to look at, or to stop).", "pid"),
             ("replica_prefix_cache_hits_total", "counter", "Prompt tokens a replica served from its prefix cache.",
              "prefix_hits"),
             ("replica_prefix_cache_queries_total", "counter", "Prompt tokens a replica looked up in its prefix cache.",

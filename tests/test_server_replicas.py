@@ -177,11 +177,12 @@ def test_shared_prefix_lands_on_one_replica(cluster):
 def test_cluster_hit_rate_pools_the_replicas_counters():
     from edgefinfer.server_gpu.replicas import render_cluster_metrics
 
-    stats = [{"replica": r, "requests": n, "running": 0, "waiting": 0, "kv_usage": 0.0, "prefix_hits": h,
+    stats = [{"replica": r, "pid": 7, "requests": n, "running": 0, "waiting": 0, "kv_usage": 0.0, "prefix_hits": h,
               "prefix_queries": q} for r, n, h, q in (("a", 3, 90, 100), ("b", 1, 0, 300))]
     text = render_cluster_metrics(stats)
     assert "edgefinfer_cluster_prefix_cache_hit_rate 0.225\n" in text  # (90 + 0) / (100 + 300), not the mean
     assert 'edgefinfer_replica_requests_total{replica="b"} 1\n' in text
+    assert 'edgefinfer_replica_pid{replica="a"} 7\n' in text
 
 
 def test_routing_policy_is_consistent_and_load_bounded():
