@@ -106,6 +106,15 @@ class Workload:
     tag: str = "run"
 
 
+def end_tokens(meta, tokenizer) -> tuple[int, ...]:
+    """The GGUF's end-of-sequence token ids: what every benchmark request bans, so that every server
+    writes exactly max_tokens tokens."""
+    from edgefinfer.gguf_import import config_from_gguf
+
+    ends = [tokenizer.eos_id, tokenizer.token_id("<|endoftext|>"), *config_from_gguf(meta).eos_token_ids]
+    return tuple(sorted({t for t in ends if t is not None}))
+
+
 def text_of_tokens(tokenizer, seed_text: str, num_tokens: int) -> str:
     """A prose prompt of exactly `num_tokens` tokens (by the model's tokenizer)."""
     ids: list[int] = []
@@ -154,6 +163,7 @@ class ServerProcess:
     port: int
     env: dict[str, str] = field(default_factory=dict)
     body: dict = field(default_factory=dict)  # extra request fields (llama-server's cache_prompt)
+    log: Path | None = None  # its stderr goes here (a chatty server would fill an unread pipe), else a pipe
     proc: subprocess.Popen | None = None
 
     @property
@@ -161,12 +171,16 @@ class ServerProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def __enter__(self) -> "ServerProcess":
-        self.proc = subprocess.Popen(self.argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        err = open(self.log, "wb") if self.log else subprocess.PIPE
+        self.proc = subprocess.Popen(self.argv, stdout=subprocess.DEVNULL, stderr=err,
                                      env={**os.environ, **self.env}, start_new_session=True)
+        if self.log:
+            err.close()
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.label} exited: {self.proc.stderr.read().decode()[-2000:]}")
+                said = self.log.read_bytes() if self.log else self.proc.stderr.read()
+                raise RuntimeError(f"{self.label} exited: {said.decode(errors='replace')[-2000:]}")
             try:
                 if httpx.get(self.url + "/v1/models", timeout=2).status_code == 200:
                     return self
@@ -228,15 +242,17 @@ async def one_request(client: httpx.AsyncClient, server: ServerProcess, prompt: 
             "repeat_penalty": 1.0, "logit_bias": {str(t): -100 for t in BANNED}, **server.body}
     for attempt in range(RETRIES + 1):
         t0 = time.perf_counter()
-        first = last = None
-        text = ""
+        first = last = error = None
+        text, done = "", False
         try:
             async with client.stream("POST", server.url + "/v1/completions", json=body) as r:
                 r.raise_for_status()
                 async for line in r.aiter_lines():
+                    done = done or line == "data: [DONE]"
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
                     chunk = json.loads(line[6:])
+                    error = chunk.get("error", error)  # a stream that fails midway says so in an event
                     delta = "".join(c.get("text") or "" for c in chunk.get("choices", []))
                     if delta:
                         last = time.perf_counter() - t0
@@ -252,7 +268,7 @@ async def one_request(client: httpx.AsyncClient, server: ServerProcess, prompt: 
             continue
         end = time.perf_counter() - t0
         return {"ttft": first if first is not None else end, "last": last if last is not None else end,
-                "text": text, "retries": attempt}
+                "text": text, "retries": attempt, "done": done, "error": error}
     raise AssertionError("unreachable")
 
 
@@ -468,14 +484,13 @@ def main() -> None:
 
     from bench.peers import llama_server
     from edgefinfer import reference
-    from edgefinfer.gguf_import import config_from_gguf, open_gguf, tokenizer_from_gguf
+    from edgefinfer.gguf_import import open_gguf, tokenizer_from_gguf
 
     SLOTS = args.slots
     gguf = Path(args.model) if args.model else reference.gguf_path("smollm2-135m")
     meta = open_gguf(gguf)
     tokenizer = tokenizer_from_gguf(meta)
-    ends = [tokenizer.eos_id, tokenizer.token_id("<|endoftext|>"), *config_from_gguf(meta).eos_token_ids]
-    BANNED = tuple(sorted({t for t in ends if t is not None}))
+    BANNED = end_tokens(meta, tokenizer)
     args.repeats = args.repeats or (1 if args.quick else 3)
     max_tokens = args.max_tokens or (16 if args.quick else 48)
     binary = Path(args.llama_server) if args.llama_server else llama_server()

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One shot on a machine with an NVIDIA GPU: build llama-cpp-python with CUDA, serve the reference
-# model on the GPU, run the serving benchmark (bench/server.py), write bench/results/server_gpu.json.
+# model on the GPU, run the serving benchmark (bench/server.py), write bench/results/server_gpu.json;
+# then the replica mode, one replica per GPU on a local Ray (bench/server_scale.py), written to
+# bench/results/server_gpu_scale.json.
 #
 #   bash bench/server_gpu.sh                 # from the repository root
 #
@@ -18,6 +20,7 @@
 #   COMPARE        1 to also benchmark llama-cpp-python's own server (needs sse-starlette & co.; default 1);
 #                  llama.cpp's own llama-server (built here with CUDA) is always the main peer
 #   CACHE          where the venv and the built wheel live (default .gpu-cache, git-ignored by you)
+#   SCALE          1 to also run the replica mode (default 1; needs ray[serve], installed into the venv)
 #
 # The CUDA configure needs cuBLAS. A full CUDA toolkit has it; where only the `nvidia-cublas` pip
 # package provides it (the probe in shared/research/probe-llamacpp.md), its include and library paths
@@ -32,6 +35,7 @@ CUDA_ARCH=${CUDA_ARCH:-90}
 JOBS=${JOBS:-$(nproc)}
 LEVELS=${LEVELS:-1,16,64}
 COMPARE=${COMPARE:-1}
+SCALE=${SCALE:-1}
 CACHE=${CACHE:-$ROOT/.gpu-cache}
 LLAMA_VERSION=0.3.36
 START=$(date +%s)
@@ -53,6 +57,7 @@ PIP=("$PY" -m pip install -q --disable-pip-version-check)
 if [ -n "${WHEELS:-}" ]; then PIP+=(--no-index --find-links "$WHEELS"); fi
 need=(fastapi uvicorn pydantic httpx jinja2 click psutil tokenizers safetensors numpy matplotlib "gguf==0.19.0")
 if [ "$COMPARE" = 1 ]; then need+=(sse-starlette starlette-context pydantic-settings); fi
+if [ "$SCALE" = 1 ]; then need+=("ray[serve]==2.60.0"); fi
 log "installing ${need[*]}"
 "${PIP[@]}" "${need[@]}"
 if [ -z "${MODEL:-}" ]; then
@@ -115,3 +120,13 @@ if [ "$COMPARE" != 1 ]; then ARGS+=(--no-llama-cpp-python); fi
 log "benchmark: bench/server.py ${ARGS[*]}"
 "$PY" bench/server.py "${ARGS[@]}"
 log "done: bench/results/server_gpu.json and bench/results/server_gpu.png"
+
+# ---- 5. replicas: one per GPU (Ray gives each its own CUDA device), prefix routing vs round-robin ---------
+if [ "$SCALE" = 1 ]; then
+  GPUS=$(nvidia-smi -L | grep -c '^GPU ')
+  SARGS=(--replicas "$GPUS" --threads 4 --single-threads 4 --gpu-layers 999 --out server_gpu_scale)
+  if [ -n "${MODEL:-}" ]; then SARGS+=(--model "$MODEL"); fi
+  log "replica mode, $GPUS GPU(s): bench/server_scale.py ${SARGS[*]}"
+  "$PY" bench/server_scale.py "${SARGS[@]}"
+  log "done: bench/results/server_gpu_scale.json and bench/results/server_gpu_scale.png"
+fi

@@ -235,6 +235,7 @@ class ServingEngine:
             "waiting": self.scheduler.num_waiting, "running": self.scheduler.num_running,
             "kv_total": s.num_blocks, "kv_used": s.num_used, "kv_free": s.num_free, "kv_cached": s.num_cached,
             "kv_usage": s.num_used / s.num_blocks, "prefix_hit_rate": s.hit_rate, "kv_retained": s.num_retained,
+            "prefix_hits": s.prefix_hits, "prefix_queries": s.prefix_queries,
             "spec_acceptance": accepted / drafted if drafted else 0.0, "time": time.time(),
         }
 

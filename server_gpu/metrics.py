@@ -101,10 +101,10 @@ class Metrics:
         lines: list[str] = []
         declared: set[str] = set()
 
-        def gauge(name: str, help_: str, value: float, **labels: str) -> None:
+        def gauge(name: str, help_: str, value: float, kind: str = "gauge", **labels: str) -> None:
             if name not in declared:  # one HELP/TYPE header per metric, however many label sets
                 declared.add(name)
-                lines.extend([f"# HELP {PREFIX}_{name} {help_}", f"# TYPE {PREFIX}_{name} gauge"])
+                lines.extend([f"# HELP {PREFIX}_{name} {help_}", f"# TYPE {PREFIX}_{name} {kind}"])
             lines.append(f"{PREFIX}_{name}{_labels(labels)} {_fmt(value)}")
 
         gauge("num_requests_waiting", "Sequences waiting to be scheduled.", gauges.get("waiting", 0))
@@ -116,6 +116,11 @@ class Metrics:
         gauge("kv_usage_ratio", "Fraction of KV blocks in use.", gauges.get("kv_usage", 0.0))
         gauge("prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens looked up.",
               gauges.get("prefix_hit_rate", 0.0))
+        # The two counts behind the rate: a client takes differences to get the rate of a time window.
+        gauge("prefix_cache_hits_total", "Prompt tokens served from the prefix cache.", gauges.get("prefix_hits", 0),
+              kind="counter")
+        gauge("prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.",
+              gauges.get("prefix_queries", 0), kind="counter")
         gauge("kv_retained_prefixes", "Finished requests' prompts kept in KV for later prefix hits.",
               gauges.get("kv_retained", 0))
         gauge("generation_tokens_per_second", f"Tokens generated over the last {self._window_s:g} s, per second.",

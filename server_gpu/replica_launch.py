@@ -50,6 +50,14 @@ def check_address(address: str | None, timeout_s: float = 3.0) -> None:
                         f"--head` there, fix --address, or drop --address to start a local one") from None
 
 
+def check_gpus(n_replicas: int, gpu_layers: int, gpus: float) -> None:
+    """With layers offloaded each replica takes a whole GPU: fewer GPUs than replicas would leave Ray
+    waiting forever to place the rest, so that is a usage error."""
+    if gpu_layers > 0 and gpus < n_replicas:
+        raise UserError(f"--replicas {n_replicas} --gpu-layers {gpu_layers}: each replica takes one GPU and the Ray "
+                        f"cluster has {gpus:g} GPU(s); give at most that many replicas, or --gpu-layers 0 for CPU replicas")
+
+
 def serve_replicas(spec: ReplicaSpec, n_replicas: int, threads: int, address: str | None, host: str, port: int,
                    grace_s: float, stop: threading.Event | None = None) -> None:
     """Start (or join) Ray, deploy, serve until SIGINT/SIGTERM (or `stop`), then drain every replica
@@ -62,14 +70,21 @@ def serve_replicas(spec: ReplicaSpec, n_replicas: int, threads: int, address: st
 
     _resolve(spec.opts.model)  # a model that is not there fails in one line here, not in every replica
     if address is None:
+        # Ray starts its workers at nice 15 (`worker_niceness`, for batch jobs): an engine replica would
+        # then lose its cores to anything else on the host. A server's replicas run at normal priority.
         ray.init(num_cpus=max(os.cpu_count() or 1, n_replicas * threads), include_dashboard=False,
-                 logging_level=logging.WARNING, log_to_driver=False)
+                 logging_level=logging.WARNING, log_to_driver=False, _system_config={"worker_niceness": 0})
     else:
         ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
     stop = stop or threading.Event()
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
+    try:
+        check_gpus(n_replicas, spec.opts.gpu_layers, ray.cluster_resources().get("GPU", 0))
+    except UserError:
+        ray.shutdown()  # before Serve starts: nothing to delete
+        raise
     try:
         serve.start(http_options={"host": host, "port": port}, proxy_location="HeadOnly")
         serve.run(build_application(spec, n_replicas, threads, grace_s), name=APP_NAME, route_prefix="/")

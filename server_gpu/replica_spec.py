@@ -12,8 +12,9 @@ from edgefinfer.server_gpu.loader import ServeOptions
 
 @dataclass(frozen=True)
 class ReplicaSpec:
-    """The single-process server's options and limits."""
+    """The single-process server's options and limits, and how the replicas are routed."""
     opts: ServeOptions
     api_key: str | None
     limits: ServerLimits
     prefix_blocks: int = prefix_router.DEFAULT_PREFIX_BLOCKS
+    routing: prefix_router.Routing = prefix_router.Routing.PREFIX

@@ -8,8 +8,9 @@ for a routing key and streams the chosen replica's answer back byte for byte. Ra
 placement, replica health checks and replacement, graceful draining; `PrefixAffinityRouter` is a Ray
 Serve `RequestRouter` ranking replicas by `prefix_router.choose`.
 
-Faults: a replica that dies before the client got a byte is retried on another one (Ray replaces the
-dead one); one that dies mid-stream ends the stream with an OpenAI-shaped `error` event (a JSON answer
+Faults: a replica that dies before the client got a token is retried on another one (Ray replaces the
+dead one; a chat stream's role-only opening chunk is held back until the first token, so it does not
+count); one that dies mid-stream ends the stream with an OpenAI-shaped `error` event (a JSON answer
 with a 502), so nothing hangs and no other replica's request is touched.
 
 Imports ray at module level: only `serve --replicas` imports this module. No `from __future__ import
@@ -17,6 +18,7 @@ annotations`: FastAPI reads the ingress methods' annotations after Serve has wra
 """
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -44,20 +46,53 @@ _RETRIES = 2  # replicas tried after the first for a request whose client got no
 
 
 # ------------------------------------------------------------------------------------------ routing
-class PrefixAffinityRouter(RequestRouter):
+class _PatientRouter(RequestRouter):
+    # Ray probes a replica whose queue length it has not cached, and skips it when no answer comes
+    # within 0.1 s (its default): on a loaded host a replica busy decoding misses that, and the request
+    # goes to the next-ranked replica, a prefix miss or a skipped turn. One second, as Ray's backoff
+    # would reach anyway.
+    queue_len_response_deadline_s = 1.0
+
+
+class PrefixAffinityRouter(_PatientRouter):
     """Ray Serve request router: a request's `routing_key` kwarg (`prefix_router.prefix_key`) picks its
     replica by consistent hashing with a load bound (queue lengths from Ray's own cache)."""
 
-    def initialize_state(self, load_factor: float = prefix_router.DEFAULT_LOAD_FACTOR, **kwargs) -> None:
-        self._load_factor = load_factor
+    def initialize_state(self, load_factor: float = prefix_router.DEFAULT_LOAD_FACTOR, batch: int = 0,
+                         **kwargs) -> None:
+        self._load_factor, self._batch = load_factor, batch
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         kwargs = pending_request.kwargs if pending_request is not None else {}
         loads = {rid: self.replica_queue_len_cache.get(r.replica_id) or 0 for rid, r in by_id.items()}
-        order = prefix_router.choose(kwargs.get("routing_key"), list(by_id), loads, self._load_factor)
+        order = prefix_router.choose(kwargs.get("routing_key"), list(by_id), loads, self._load_factor, self._batch)
         return [[by_id[rid]] for rid in order]
+
+
+class RoundRobinRouter(_PatientRouter):
+    """Ray Serve request router: each replica in turn (`prefix_router.round_robin`), the prompt ignored;
+    the plain balancer that `--routing round-robin` compares prefix routing against."""
+
+    def initialize_state(self, **kwargs) -> None:
+        # A request's turn is fixed when it is first seen: Ray asks again for a request it could not
+        # place at once, and that must not advance the cycle for the others.
+        self._turns: collections.OrderedDict[str | None, int] = collections.OrderedDict()
+        self._next = 0
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        request = pending_request.metadata.internal_request_id if pending_request is not None else None
+        if request not in self._turns:
+            self._turns[request], self._next = self._next, self._next + 1
+            while len(self._turns) > 4096:  # requests long placed
+                self._turns.popitem(last=False)
+        return [[by_id[rid]] for rid in prefix_router.round_robin(self._turns[request], list(by_id))]
+
+
+ROUTERS = {prefix_router.Routing.PREFIX: PrefixAffinityRouter, prefix_router.Routing.ROUND_ROBIN: RoundRobinRouter}
 
 
 # ------------------------------------------------------------------------------------------ metrics board
@@ -237,14 +272,39 @@ def _ingress_app(spec: ReplicaSpec) -> type:
 
 
 async def _head(stream) -> tuple[dict, bytes, bool]:
-    """The response start, its first body bytes and whether that was the whole body (waiting for a
-    byte: until one reaches the client, a failed replica can still be retried)."""
+    """The response start, its first body bytes and whether that was the whole body. It waits for the
+    first bytes that carry output: until they reach the client, a failed replica can still be retried.
+    A stream's opening events that carry none (a chat stream's role chunk, sent before the request is
+    even scheduled) are held back and go out with the first token."""
     start = await stream.__anext__()
+    sse = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream") for k, v in start.get("headers", []))
+    held = b""
     async for message in stream:
-        first, more = message.get("body", b""), message.get("more_body", False)
-        if first or not more:
-            return start, first, not more
+        body, more = message.get("body", b""), message.get("more_body", False)
+        held += body
+        if not more or (body and (not sse or carries_output(body))):
+            return start, held, not more
     raise ConnectionError("the replica's answer ended before its body")
+
+
+def carries_output(events: bytes) -> bool:
+    """Whether SSE `events` hold anything a client acts on: text, a tool call, logprobs, a finish, an
+    error, [DONE], or what this cannot read (passed on, to be safe); not a role-only opening chunk."""
+    for line in events.split(b"\n"):
+        if not line.startswith(b"data: "):
+            continue
+        try:
+            event = json.loads(line[6:])
+        except ValueError:
+            return True  # [DONE], or what we cannot read
+        if not isinstance(event, dict) or "error" in event or event.get("usage"):
+            return True
+        for choice in event.get("choices") or []:
+            delta = choice.get("delta") or {}
+            if (choice.get("text") or choice.get("finish_reason") or choice.get("logprobs")
+                    or any(v for k, v in delta.items() if k != "role")):
+                return True
+    return False
 
 
 async def _rest(stream, first: bytes, complete: bool, headers: dict[str, str]) -> AsyncIterator[bytes]:
@@ -279,6 +339,7 @@ def render_cluster_metrics(stats: list[dict]) -> str:
             ("replica_requests_running", "gauge", "Sequences a replica decodes now.", "running"),
             ("replica_requests_waiting", "gauge", "Sequences waiting on a replica.", "waiting"),
             ("replica_kv_usage", "gauge", "Fraction of a replica's KV blocks in use.", "kv_usage"),
+            ("replica_pid", "gauge", "A replica's process id (which process to look at, or to stop).", "pid"),
             ("replica_prefix_cache_hits_total", "counter", "Prompt tokens a replica served from its prefix cache.",
              "prefix_hits"),
             ("replica_prefix_cache_queries_total", "counter", "Prompt tokens a replica looked up in its prefix cache.",
@@ -294,13 +355,25 @@ def render_cluster_metrics(stats: list[dict]) -> str:
 
 
 # ------------------------------------------------------------------------------------------ application
+def replica_resources(threads: int, gpu_layers: int) -> dict:
+    """What Ray reserves for one engine replica: its threads, and one whole GPU when layers are
+    offloaded (Ray then sets CUDA_VISIBLE_DEVICES per replica: one replica per GPU)."""
+    return {"num_cpus": threads, **({"num_gpus": 1} if gpu_layers > 0 else {})}
+
+
+def router_kwargs(spec: ReplicaSpec) -> dict:
+    """What the router's `initialize_state` gets: the prefix router, the replicas' batch size."""
+    return {"batch": spec.opts.max_num_seqs} if spec.routing is prefix_router.Routing.PREFIX else {}
+
+
 def build_application(spec: ReplicaSpec, n_replicas: int, threads: int, grace_s: float):
-    """The Serve application: the ingress bound to N engine replicas routed by prefix."""
+    """The Serve application: the ingress bound to N engine replicas routed by `spec.routing`."""
     engine = serve.deployment(
         EngineReplica, name="EngineReplica", num_replicas=n_replicas,
-        ray_actor_options={"num_cpus": threads}, max_ongoing_requests=max(spec.opts.max_num_seqs * 2, 8),
+        ray_actor_options=replica_resources(threads, spec.opts.gpu_layers), max_ongoing_requests=max(spec.opts.max_num_seqs * 2, 8),
         graceful_shutdown_timeout_s=grace_s, graceful_shutdown_wait_loop_s=0.5, health_check_period_s=2.0,
-        request_router_config=RequestRouterConfig(request_router_class=PrefixAffinityRouter,
+        request_router_config=RequestRouterConfig(request_router_class=ROUTERS[spec.routing],
+                                                  request_router_kwargs=router_kwargs(spec),
                                                   request_routing_stats_period_s=1.0))
     ingress = serve.deployment(_ingress_app(spec), name="Ingress", num_replicas=1,
                                ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024)

@@ -175,10 +175,15 @@ def test_models_metrics_and_openapi(server, client):
     m = metrics(server)
     for name in ("edgefinfer_num_requests_waiting", "edgefinfer_num_requests_running",
                  'edgefinfer_kv_blocks{state="free"}', 'edgefinfer_kv_blocks{state="cached"}',
-                 "edgefinfer_prefix_cache_hit_rate", "edgefinfer_generation_tokens_per_second",
+                 "edgefinfer_prefix_cache_hit_rate", "edgefinfer_prefix_cache_hits_total",
+                 "edgefinfer_prefix_cache_queries_total", "edgefinfer_generation_tokens_per_second",
                  "edgefinfer_time_to_first_token_seconds_count", "edgefinfer_inter_token_latency_seconds_count"):
         assert name in m
     assert m["edgefinfer_time_to_first_token_seconds_count"] > 0
+    # The counts behind the rate (this server, --batch-invariant, looks nothing up: both stay 0 then).
+    queries, hits = m["edgefinfer_prefix_cache_queries_total"], m["edgefinfer_prefix_cache_hits_total"]
+    assert 0 <= hits <= queries
+    assert m["edgefinfer_prefix_cache_hit_rate"] == pytest.approx(hits / queries if queries else 0.0, abs=1e-3)
     paths = httpx.get(server.url + "/openapi.json").json()["paths"]
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models"} <= set(paths)
 

@@ -4,9 +4,11 @@ says what is missing, and exit code 2 (issue 13: tested up to the point a GPU is
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "server_gpu.sh"
@@ -46,3 +48,14 @@ def test_with_a_gpu_but_no_cuda_toolkit_it_names_nvcc(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == ["no nvcc: install the CUDA toolkit (12.x or 13.x)"]
     assert not (tmp_path / "cache").exists()
+
+
+def test_the_replica_step_passes_only_flags_that_bench_server_scale_takes():
+    """The GPU-only replica step cannot run here; what it hands bench/server_scale.py can be checked."""
+    line = next(x for x in SCRIPT.read_text().splitlines() if x.strip().startswith("SARGS=("))
+    flags = re.findall(r"--[a-z][a-z-]+", line)
+    assert {"--replicas", "--gpu-layers", "--out"} <= set(flags)
+    usage = subprocess.run([sys.executable, str(SCRIPT.parent / "server_scale.py"), "--help"], capture_output=True,
+                           text=True, timeout=120)
+    assert usage.returncode == 0, usage.stderr
+    assert [f for f in flags if f not in usage.stdout] == []

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import json
 import os
 import re
@@ -51,30 +52,53 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def cluster(gguf, tmp_path_factory):
-    """`edgefinfer serve GGUF --replicas 2 --threads 1` in its own process (its own local Ray)."""
+def _start_cluster(gguf: str, log, *extra: str) -> tuple[str, subprocess.Popen]:
+    """`edgefinfer serve GGUF --replicas 2 --threads 1 ...` in its own process (its own local Ray)."""
     port = _free_port()
-    log = tmp_path_factory.mktemp("replicas") / "serve.log"
     with open(log, "w") as out:  # a file, not a pipe: nobody reads Ray's chatter while the tests run
         proc = subprocess.Popen([*SERVE, gguf, "--replicas", "2", "--threads", "1", "--port", str(port), "--api-key", "k",
-                                 *FLAGS],
+                                 *FLAGS, *extra],
                                 cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_healthy(url, proc, timeout=150)
+        wait_healthy(url, proc, timeout=150)  # one replica answers /health: the other may still be loading
+        deadline = time.monotonic() + 120
+        while _metric(url, "replicas") < 2:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the second replica did not come up")
+            time.sleep(0.5)
+        time.sleep(2.0)  # and Ray's routers hear of it
     except RuntimeError:
-        proc.kill()
+        _stop_cluster(proc)
         pytest.fail(f"serve --replicas did not come up: {log.read_text()[-2000:]}")
-    yield url, proc
-    if proc.poll() is not None:  # test_sigterm_drains_every_replica stopped it
-        return
-    proc.send_signal(signal.SIGTERM)
+    return url, proc
+
+
+def _stop_cluster(proc: subprocess.Popen) -> None:
+    """SIGTERM (Serve drains, Ray shuts down); should that not end it, kill it and every process it
+    started, so that no Ray process outlives the tests."""
+    family: list[psutil.Process] = []
+    with contextlib.suppress(psutil.NoSuchProcess):
+        family = psutil.Process(proc.pid).children(recursive=True)
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
     try:
         proc.wait(60)
     except subprocess.TimeoutExpired:
         proc.kill()
-        raise
+        proc.wait(30)
+    for p in family:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+
+
+@pytest.fixture(scope="module")
+def cluster(gguf, tmp_path_factory):
+    url, proc = _start_cluster(gguf, tmp_path_factory.mktemp("replicas") / "serve.log")
+    try:
+        yield url, proc
+    finally:  # test_sigterm_drains_every_replica may have stopped it already
+        _stop_cluster(proc)
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +154,11 @@ def test_errors_and_routes_are_the_single_servers(cluster, single):
     assert _metric(url, "replicas") == 2
 
 
+def test_replicas_run_at_normal_priority(cluster):
+    _, proc = cluster  # Ray's workers default to nice 15, which yields a replica's cores to anything else
+    assert [p.nice() for p in _engine_replicas(proc)] == [0, 0]
+
+
 # ------------------------------------------------------------------------------------------ item 2
 def test_shared_prefix_lands_on_one_replica(cluster):
     url, _ = cluster
@@ -148,11 +177,12 @@ def test_shared_prefix_lands_on_one_replica(cluster):
 def test_cluster_hit_rate_pools_the_replicas_counters():
     from edgefinfer.server_gpu.replicas import render_cluster_metrics
 
-    stats = [{"replica": r, "requests": n, "running": 0, "waiting": 0, "kv_usage": 0.0, "prefix_hits": h,
+    stats = [{"replica": r, "pid": 7, "requests": n, "running": 0, "waiting": 0, "kv_usage": 0.0, "prefix_hits": h,
               "prefix_queries": q} for r, n, h, q in (("a", 3, 90, 100), ("b", 1, 0, 300))]
     text = render_cluster_metrics(stats)
     assert "edgefinfer_cluster_prefix_cache_hit_rate 0.225\n" in text  # (90 + 0) / (100 + 300), not the mean
     assert 'edgefinfer_replica_requests_total{replica="b"} 1\n' in text
+    assert 'edgefinfer_replica_pid{replica="a"} 7\n' in text
 
 
 def test_routing_policy_is_consistent_and_load_bounded():
@@ -167,11 +197,21 @@ def test_routing_policy_is_consistent_and_load_bounded():
     loads = {home: 10}
     assert prefix_router.choose(key, replicas, loads)[0] != home
     assert prefix_router.choose(None, replicas, {"a": 3, "b": 1, "c": 2})[0] == "b"
+    # Under its batch size (--max-num-seqs) the home replica keeps the key, whatever the others' loads.
+    assert prefix_router.choose(key, replicas, loads, batch=16)[0] == home
+    assert prefix_router.choose(key, replicas, {home: 16}, batch=16)[0] != home
     # A replica leaving moves only its own keys.
     keys = [prefix_router.prefix_key([i] * 16, 16) for i in range(200)]
     homes = {k: prefix_router.choose(k, replicas, {})[0] for k in keys}
     moved = [k for k in keys if homes[k] != "c" and prefix_router.choose(k, ["a", "b"], {})[0] != homes[k]]
     assert moved == []
+
+
+def test_round_robin_takes_each_replica_in_turn():
+    firsts = [prefix_router.round_robin(turn, ["b", "c", "a"])[0] for turn in range(6)]
+    assert firsts == ["a", "b", "c", "a", "b", "c"]
+    assert prefix_router.round_robin(4, ["b", "a"]) == ["a", "b"]  # the rest follow, for Ray to fall back on
+    assert prefix_router.round_robin(3, []) == []
 
 
 # ------------------------------------------------------------------------------------------ item 3
@@ -180,25 +220,82 @@ def _engine_replicas(proc: subprocess.Popen) -> list[psutil.Process]:
     return [p for p in kids if "EngineReplica" in " ".join(p.cmdline())]
 
 
-async def _stream_outcome(client: httpx.AsyncClient, url: str, prompt: str) -> str:
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": 230, "temperature": 0, "stream": True}  # tiny: 256 ctx
-    async with client.stream("POST", url + "/v1/completions", json=body, headers=KEY) as resp:
+def _event_text(event: str) -> str:
+    choice = (json.loads(event[6:]).get("choices") or [{}])[0]
+    return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+
+
+async def _stream_outcome(client: httpx.AsyncClient, url: str, prompt: str, chat: bool = False,
+                          max_tokens: int = 230) -> str:
+    """How one streamed request ended: done ([DONE]), error (an error event after some text), error
+    before any token (what a retry should have spared it), 5xx, or what else went wrong."""
+    path, body = ("/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}]}) if chat else \
+        ("/v1/completions", {"prompt": prompt})
+    body |= {"model": "tiny", "max_tokens": max_tokens, "temperature": 0, "stream": True}  # tiny: 256 ctx
+    async with client.stream("POST", url + path, json=body, headers=KEY) as resp:
         if resp.status_code != 200:
             return "5xx" if resp.status_code >= 500 else f"status {resp.status_code}: {(await resp.aread())[:200]!r}"
         events = [line async for line in resp.aiter_lines() if line.startswith("data: ")]
     if any('"error"' in e for e in events):
-        return "error"
+        return "error" if any(_event_text(e) for e in events if e.startswith("data: {") and '"error"' not in e) \
+            else "error before any token"
     return "done" if events and events[-1] == "data: [DONE]" else f"truncated: {events[-2:]}"
 
 
+def _wait_replaced(url: str, proc: subprocess.Popen, timeout: float = 90) -> None:
+    """Until Ray has replaced a killed replica: two report to /metrics and two processes run."""
+    deadline = time.monotonic() + timeout
+    while _metric(url, "replicas") < 2 or len(_engine_replicas(proc)) < 2:
+        assert time.monotonic() < deadline, "the killed replica was not replaced"
+        time.sleep(2)
+
+
+def test_replica_dying_before_a_token_is_retried_elsewhere(cluster, single):
+    """A frozen replica (SIGSTOP) holds its requests without a byte sent; killed, it loses none of
+    them: each is served by the other replica, with the single server's text."""
+    url, proc = cluster
+    prompts = [f"{word} {SHARED}" for word in ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf",
+                                                "hotel")]  # distinct leading blocks: keys on both replicas
+    refs = [_complete(single.url, p).json()["choices"][0]["text"] for p in prompts]
+    for p in prompts[:2]:  # fresh queue lengths in Ray's router, so it sends to the frozen one unprobed
+        _complete(url, p)
+    victim = _engine_replicas(proc)[0]
+    victim.suspend()
+
+    async def load() -> tuple[int, list[httpx.Response]]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            body = {"model": "tiny", "max_tokens": 12, "temperature": 0}
+            tasks = [asyncio.create_task(client.post(url + "/v1/completions", json=body | {"prompt": p}, headers=KEY))
+                     for p in prompts]
+            await asyncio.sleep(3)  # the other replica answers its share in well under a second
+            stuck = sum(not t.done() for t in tasks)
+            victim.kill()
+            return stuck, await asyncio.gather(*tasks)
+
+    try:
+        stuck, answers = asyncio.run(asyncio.wait_for(load(), 150))  # nothing hangs
+    finally:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            victim.kill()
+    assert stuck > 0  # some requests were held by the frozen replica
+    assert [a.status_code for a in answers] == [200] * len(prompts)
+    assert [a.json()["choices"][0]["text"] for a in answers] == refs
+    _wait_replaced(url, proc)
+
+
 def test_killed_replica_ends_its_requests_cleanly_and_is_replaced(cluster):
+    """A replica SIGKILLed under 12 streams (4 decode on each replica, the rest wait): a stream that had text
+    ends with an error event; one that had none (waiting; a chat stream's role chunk does not count) is
+    retried on the other replica and completes."""
     url, proc = cluster
     victims = _engine_replicas(proc)
     assert len(victims) == 2
 
     async def load() -> list[str]:
         async with httpx.AsyncClient(timeout=90) as client:
-            tasks = [asyncio.create_task(_stream_outcome(client, url, f"{i} {p}")) for i in range(4) for p in PROMPTS]
+            tasks = [asyncio.create_task(_stream_outcome(client, url, f"{i} {p}", chat=i % 2 == 1,
+                                                         max_tokens=200 if i % 2 else 230))
+                     for i in range(4) for p in PROMPTS]
             await asyncio.sleep(0.5)
             victims[0].kill()
             return await asyncio.gather(*tasks)
@@ -207,11 +304,23 @@ def test_killed_replica_ends_its_requests_cleanly_and_is_replaced(cluster):
     print(collections.Counter(outcomes))
     assert set(outcomes) <= {"done", "error", "5xx"}, outcomes
     assert "done" in outcomes  # the other replica's requests finished
-    deadline = time.monotonic() + 90  # Ray replaces the dead replica
-    while _metric(url, "replicas") < 2 or len(_engine_replicas(proc)) < 2:
-        assert time.monotonic() < deadline, "the killed replica was not replaced"
-        time.sleep(2)
+    _wait_replaced(url, proc)
     assert all(_complete(url, p).status_code == 200 for p in PROMPTS)
+
+
+def test_role_chunk_carries_no_output_and_every_later_event_does(single):
+    """What the ingress holds back before a chat stream's first token: the single server's own events."""
+    from edgefinfer.server_gpu.replicas import carries_output
+
+    body = {"model": single.name, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 6,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    text = httpx.post(single.url + "/v1/chat/completions", json=body, timeout=60).text
+    events = [e.encode() + b"\n\n" for e in text.split("\n\n") if e.startswith("data: ")]
+    assert b'"role":"assistant"' in events[0] and not carries_output(events[0])
+    assert all(carries_output(e) for e in events[1:]) and events[-1] == b"data: [DONE]\n\n"
+    completion = httpx.post(single.url + "/v1/completions", timeout=60,
+                            json={"model": single.name, "prompt": "hello", "max_tokens": 3, "stream": True}).text
+    assert carries_output(completion.split("\n\n")[0].encode())  # a completion stream opens with text
 
 
 # ------------------------------------------------------------------------------------------ bad input
@@ -225,6 +334,8 @@ def _bad(*args: str, prelude: str = "") -> subprocess.CompletedProcess:
     (("--replicas", "0"), "", "give 1 or more replicas"),
     (("--replicas", "2", "--address", "ray://127.0.0.1:9"), "", "no Ray cluster answers at ray://127.0.0.1:9"),
     (("--replicas", "2"), "sys.modules['ray'] = None; ", "pip install 'edgefinfer[replicas]'"),
+    (("--routing", "round-robin"), "", "--routing round-robin routes between replicas: add --replicas N"),
+    (("--replicas", "2", "--routing", "random"), "", "'random' is not one of 'prefix', 'round-robin'"),
 ])
 def test_bad_input_one_line_exit_2_before_the_model(args, prelude, says):
     # The model does not exist: each error must come before the server looks for it.
@@ -232,6 +343,19 @@ def test_bad_input_one_line_exit_2_before_the_model(args, prelude, says):
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and says in lines[0] and "Traceback" not in r.stderr, r.stderr
+
+
+def test_a_replica_takes_one_whole_gpu_when_layers_are_offloaded():
+    from edgefinfer.errors import UserError
+    from edgefinfer.server_gpu.replica_launch import check_gpus
+    from edgefinfer.server_gpu.replicas import replica_resources
+
+    assert replica_resources(4, 999) == {"num_cpus": 4, "num_gpus": 1}  # Ray gives each its own CUDA device
+    assert replica_resources(1, 0) == {"num_cpus": 1}
+    check_gpus(2, 999, 2.0)
+    check_gpus(8, 0, 0.0)  # CPU replicas need no GPU
+    with pytest.raises(UserError, match="each replica takes one GPU and the Ray cluster has 1 GPU"):
+        check_gpus(2, 999, 1.0)
 
 
 def test_single_process_serve_never_imports_ray(gguf):
@@ -262,3 +386,30 @@ def test_sigterm_drains_every_replica(cluster):
     assert running > 0  # the signal came while streams ran
     assert outcomes == ["done"] * len(outcomes), outcomes
     assert proc.wait(90) == 0
+
+
+def test_round_robin_spreads_a_shared_prefix(cluster, gguf, tmp_path):
+    """Once the module's cluster is stopped (one Ray at a time): `--routing round-robin` sends six
+    requests sharing a prefix to the two replicas in turn, where prefix routing put all six on one."""
+    _stop_cluster(cluster[1])
+    url, proc = _start_cluster(gguf, tmp_path / "serve.log", "--routing", "round-robin")
+    try:
+        for tail in ("first question", "second question", "a third one", "and the fourth", "fifth", "sixth"):
+            assert _complete(url, f"{SHARED} {tail}", max_tokens=4).status_code == 200
+        deadline = time.monotonic() + 15
+        while sum((counts := _replica_counts(url)).values()) < 6 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert sorted(counts.values()) == [3, 3], counts
+    finally:
+        _stop_cluster(proc)
+
+
+def test_more_gpu_replicas_than_gpus_exit_2_without_waiting_on_ray(gguf):
+    """Last, once no other Ray runs: a real local Ray counts the GPUs, and 64 GPU replicas (more GPUs
+    than any host has) end in one error line and exit 2, not in a deployment that waits forever."""
+    r = subprocess.run([*SERVE, gguf, "--replicas", "64", "--gpu-layers", "1", "--threads", "1"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=180)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith(  # Ray's own start-up warning may precede it
+        "error: --replicas 64 --gpu-layers 1: each replica takes one GPU and the Ray cluster has"), r.stderr
+    assert "Traceback" not in r.stderr

@@ -14,6 +14,7 @@ import sys
 import click
 
 from edgefinfer.app.entry_point import run_command
+from edgefinfer.errors import UserError
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -78,6 +79,9 @@ from edgefinfer.app.entry_point import run_command
                    "--threads threads; needs edgefinfer[replicas]). See docs/SERVER.md.")
 @click.option("--address", default=None, help="With --replicas: the Ray cluster to join (ray://HOST:PORT); "
                                                "default: start a local Ray instance.")
+@click.option("--routing", type=click.Choice(["prefix", "round-robin"]), default=None,
+              help="With --replicas: 'prefix' (default) sends prompts that share their leading KV blocks to one "
+                   "replica; 'round-robin' sends each request to the next replica, whatever its prompt.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 def serve(model: str, backend: str | None, host: str, port: int, max_num_seqs: int, max_model_len: int,
@@ -87,7 +91,7 @@ def serve(model: str, backend: str | None, host: str, port: int, max_num_seqs: i
           batch_invariant: bool, gpu_layers: int, device: str,
           threads: int | None, speculative: str | None, fixed_k: bool, served_model_name: str | None,
           api_key: str | None, max_body_bytes: int, shutdown_grace_s: float, replicas: int | None, address: str | None,
-          log_level: str) -> None:
+          routing: str | None, log_level: str) -> None:
     """Serve MODEL (a .gguf, a bundle, a HF folder, or a shipped model name) with an OpenAI-compatible API."""
     from edgefinfer.server_gpu.api import ServerLimits, create_app
     from edgefinfer.server_gpu.launch import serve_forever
@@ -106,12 +110,15 @@ def serve(model: str, backend: str | None, host: str, port: int, max_num_seqs: i
                         served_model_name=served_model_name, preemption=preemption)
     if replicas is not None or address is not None:  # Ray only here: one process never imports it
         from edgefinfer.server_gpu import replica_launch as rl
+        from edgefinfer.server_gpu.prefix_router import Routing
         n = 1 if replicas is None else replicas
         rl.preflight(n, address)
         per = threads or max(1, (os.cpu_count() or 1) // n)
         spec = rl.ReplicaSpec(dataclasses.replace(opts, threads=per), api_key,
-                              ServerLimits(max_body_bytes=max_body_bytes))
+                              ServerLimits(max_body_bytes=max_body_bytes), routing=Routing(routing or "prefix"))
         return rl.serve_replicas(spec, n, per, address, host, port, shutdown_grace_s)
+    if routing is not None:
+        raise UserError(f"--routing {routing} routes between replicas: add --replicas N, or drop --routing")
     engine, name = build_engine(opts)
     app = create_app(engine, name, api_key=api_key, limits=ServerLimits(max_body_bytes=max_body_bytes))
     click.echo(f"serving {name} ({engine.executor.describe()['backend']}) on http://{host}:{port}/v1", err=True)
