@@ -17,7 +17,6 @@ A removed cell cannot come back, so a rollback past the window's edge is impossi
 
 from __future__ import annotations
 
-import ctypes
 import os
 from pathlib import Path
 from typing import Sequence
@@ -116,7 +115,7 @@ class LlamaCppBackend:
     def import_cache(self, arrays: dict[str, np.ndarray], length: int) -> None:
         blob = arrays["llama_state_seq"]
         try:
-            self.ctx.restore(_SEQ, (ctypes.c_uint8 * blob.size).from_buffer_copy(blob.tobytes()))
+            self.ctx.restore(_SEQ, blob.tobytes())
         except RuntimeError as e:
             self._n_tokens = 0
             self.ctx.remove(_SEQ)
