@@ -223,13 +223,13 @@ def identity(engine: Engine) -> dict[str, str]:
 
 def artefact_sha256(path: Path) -> str:
     """A file's sha256; a folder's: the sha256 of its files' names and sha256s (sorted)."""
-    from edgefinfer.bundle import sha256_file
+    from edgefinfer.file_hash import known_sha256
 
     if path.is_file():
-        return sha256_file(path)
+        return known_sha256(path)
     h = hashlib.sha256()
     for file in sorted(p for p in path.rglob("*") if p.is_file()):
-        h.update(f"{file.relative_to(path)}\0{sha256_file(file)}\n".encode())
+        h.update(f"{file.relative_to(path)}\0{known_sha256(file)}\n".encode())
     return h.hexdigest()
 
 
