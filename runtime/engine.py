@@ -18,8 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
-import psutil
-
 from edgefinfer.errors import UserError
 from edgefinfer.generation import Generation, detokenize, encode_prompt, stop_token_ids
 from edgefinfer.resolve import resolve
@@ -105,6 +103,9 @@ def open_backend(path: str | Path, kind: str | None = None, kv: KVOption = KVOpt
     src = resolve(path, kind)
     eos = src.eos_ids or ()
     if src.kind == "bundle":
+        # tokenizer.json (3.5 MB of JSON for SmolLM2: 0.1-0.3 s) parses while the runtime loads the weights,
+        # which llama.cpp, ONNX Runtime and ExecuTorch do in native code with the GIL released.
+        tokenizer = _Background(Tokenizer.from_dir, src.folder)
         if src.entry.format == "qnn-context":  # static graphs: QNN EP (HTP / emulator) or CPU EP, see open_qnn
             from edgefinfer.runtime.backends.ort import open_qnn
 
@@ -116,10 +117,31 @@ def open_backend(path: str | Path, kind: str | None = None, kv: KVOption = KVOpt
             backend = _open(src.path, src.backend, kv, threads, max_seq_len)
         info = {"bundle": src.manifest.target, "artefact": src.entry.path, "eos_ids": eos, "path": str(src.path),
                 "sha256": src.entry.sha256}
-        return backend, Tokenizer.from_dir(src.folder), info
+        return backend, tokenizer.result(), info
     backend = _open(src.path, src.backend, kv, threads, max_seq_len)
     return backend, _tokenizer_for(src.path, src.backend), {"artefact": str(src.path), "eos_ids": eos,
                                                             "path": str(src.path)}
+
+
+class _Background:
+    """`fn(*args)` in a thread; `result()` joins it and returns its value or raises its exception."""
+
+    def __init__(self, fn: Callable, *args):
+        self._value, self._error = None, None
+        self._thread = threading.Thread(target=self._run, args=(fn, args), daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable, args: tuple) -> None:
+        try:
+            self._value = fn(*args)
+        except BaseException as e:  # handed to the caller of result()
+            self._error = e
+
+    def result(self):
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
 
 
 def _open(path: Path, kind: str | None, kv: KVOption, threads: int | None, max_seq_len: int | None) -> Backend:
@@ -304,8 +326,10 @@ def peak_rss_mb() -> float:
                     return int(line.split()[1]) / 1024
     except OSError:
         pass
-    return psutil.Process().memory_info().rss / 2**20
+    return rss_mb()
 
 
 def rss_mb() -> float:
+    import psutil  # only off Linux (peak_rss_mb reads /proc there): 30-80 ms of every start otherwise
+
     return psutil.Process().memory_info().rss / 2**20
