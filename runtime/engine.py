@@ -104,7 +104,9 @@ def open_backend(path: str | Path, kind: str | None = None, kv: KVOption = KVOpt
     eos = src.eos_ids or ()
     if src.kind == "bundle":
         # tokenizer.json (3.5 MB of JSON for SmolLM2: 0.1-0.3 s) parses while the runtime loads the weights,
-        # which llama.cpp, ONNX Runtime and ExecuTorch do in native code with the GIL released.
+        # which llama.cpp and ONNX Runtime do in native code with the GIL released. The parse holds the GIL
+        # (tokenizers' from_file), so the Python imports come first: they would wait for it.
+        _import_runtime(src.backend)
         tokenizer = _Background(Tokenizer.from_dir, src.folder)
         if src.entry.format == "qnn-context":  # static graphs: QNN EP (HTP / emulator) or CPU EP, see open_qnn
             from edgefinfer.runtime.backends.ort import open_qnn
@@ -121,6 +123,19 @@ def open_backend(path: str | Path, kind: str | None = None, kv: KVOption = KVOpt
     backend = _open(src.path, src.backend, kv, threads, max_seq_len)
     return backend, _tokenizer_for(src.path, src.backend), {"artefact": str(src.path), "eos_ids": eos,
                                                             "path": str(src.path)}
+
+
+def _import_runtime(kind: str | None) -> None:
+    """Import a backend's module and its runtime's Python package (what `_open` would import first)."""
+    if kind == "llamacpp":
+        from edgefinfer.runtime.backends.llamacpp_binding import llama_cpp_lib
+
+        llama_cpp_lib()
+    elif kind == "onnxruntime":
+        import edgefinfer.runtime.backends.ort  # noqa: F401
+        from edgefinfer.ort_ep import import_ort
+
+        import_ort()
 
 
 class _Background:
