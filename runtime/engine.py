@@ -136,6 +136,10 @@ def _import_runtime(kind: str | None) -> None:
         from edgefinfer.ort_ep import import_ort
 
         import_ort()
+    elif kind == "executorch":  # torch, torchao and exir's edge.yaml (pure-Python YAML): seconds of GIL-bound imports
+        from edgefinfer.runtime.backends.executorch import register_kernels
+
+        register_kernels()
 
 
 class _Background:
