@@ -55,6 +55,11 @@ TOPICS = ["a lighthouse keeper", "the history of tea", "a bicycle repair", "the 
           "a river delta", "a chess tournament"]
 
 
+def uptime() -> str:
+    """`uptime`'s line (the shared host's load, recorded before and after each measurement)."""
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+
+
 def messages(n: int) -> list[str]:
     """n user messages of about 30 tokens each."""
     return [f"Turn {i + 1}. Now tell me about {TOPICS[i % len(TOPICS)]}, in two short sentences, and mention "
@@ -222,10 +227,18 @@ def peer_child(backend: str, bundle: str, prompt_file: str, n: int, threads: int
             out.write(stream.decode(int(gen.get_next_tokens()[0])))
             out.flush()
     elif backend == "executorch":  # as the bundle's README.txt runs it (edgefinfer.app.peer_runners)
+        # The C++ runner prints each token to fd 1 itself (stdio, block-buffered into a pipe, so it arrives at
+        # exit): fd 1 goes to /dev/null and the callback writes to a duplicate of the real stdout, so the first
+        # byte is the first token and the text is the reply once.
+        out = os.fdopen(os.dup(1), "w")
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
         import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401 (the LLM kernels)
         import executorch.kernels.quantized  # noqa: F401
         from executorch.extension.llm.runner import GenerationConfig, TextLLMRunner
+        from executorch.extension.pybindings.portable_lib import _unsafe_reset_threadpool
 
+        _unsafe_reset_threadpool(threads)  # the process-wide pool `edgefinfer run --threads` sizes too
         runner = TextLLMRunner(str(next(Path(bundle).glob("*.pte"))), str(Path(bundle) / "tokenizer.json"))
         runner.generate(prompt, GenerationConfig(echo=False, max_new_tokens=n, temperature=0.0),
                         token_callback=lambda text: (out.write(text), out.flush()))
@@ -311,10 +324,14 @@ def main() -> None:
     for backend in args.only.split(","):
         path = artefact(backend, bundles, args.threads)
         print(f"[{backend}] 10-turn chat on {path}", flush=True)
-        rows.append(run_backend(backend, path, args.threads, args.quick))
+        before = uptime()
+        row = run_backend(backend, path, args.threads, args.quick)
+        rows.append({**row, "threads": args.threads, "uptime_before": before, "uptime_after": uptime()})
     payload = {"machine": machine(), "versions": versions("executorch", "onnxruntime", "llama-cpp-python"),
                "threads": args.threads, "quick": args.quick, "load_avg_start": load_start,
                "load_avg_end": [round(x, 2) for x in os.getloadavg()], "rows": rows}
+    if set(args.only.split(",")) != set(BACKENDS):  # an --only run keeps the file's other rows (and start-up rows)
+        payload = merge_rows(payload, result_file(args.quick))
     out = write_results("sessions", payload, args.quick)
     print_table(rows, ["backend", "turn1_ttft_s", "turn10_ttft_s", "turn10_over_turn1_ttft",
                        "stateless_turn10_ttft_s", "same_text", "live_turn11_ttft_s", "restored_turn11_ttft_s",
@@ -334,7 +351,9 @@ def startup_rows(args: argparse.Namespace, bundles: Path) -> list[dict]:
             print(f"[startup] {backend}: no bundle at {bundle}, skipped", flush=True)
             continue
         print(f"[startup] {backend}: {bundle} against {STARTUP[backend][1]}, {args.runs} runs each", flush=True)
-        rows.append(run_startup(backend, bundle, args.threads, args.runs))
+        before = uptime()
+        row = run_startup(backend, bundle, args.threads, args.runs)
+        rows.append({**row, "uptime_before": before, "uptime_after": uptime()})
     cols = ["backend", "artefact_mib", "ours_start_to_first_token_s", "peer_start_to_first_token_s",
             "ttft_ratio_paired", "ours_peak_rss_mib", "peer_peak_rss_mib", "rss_goal_mib", "rss_goal_met",
             "ttft_goal_met", "same_text"]
@@ -342,15 +361,38 @@ def startup_rows(args: argparse.Namespace, bundles: Path) -> list[dict]:
     return rows
 
 
-def main_startup(args: argparse.Namespace, bundles: Path, load_start: list[float]) -> None:
-    """Measure the start-up rows and merge them into the results file (its session rows kept)."""
+def result_file(quick: bool) -> Path:
     from common import RESULTS, result_stem
 
-    file = RESULTS / f"{result_stem('sessions', args.quick)}.json"
+    return RESULTS / f"{result_stem('sessions', quick)}.json"
+
+
+def merge_rows(payload: dict, file: Path) -> dict:
+    """`payload` with the file's rows of the backends it did not measure kept after its own, and the file's
+    start-up rows; each kept row still carries the run-wide fields of its own run (threads, versions) there."""
+    if not file.is_file():
+        return payload
+    old = json.loads(file.read_text())
+    measured = {r["backend"] for r in payload["rows"]}
+    kept = [{"threads": old.get("threads"), "load_avg_start": old.get("load_avg_start"),
+             "load_avg_end": old.get("load_avg_end"), **r} for r in old.get("rows", []) if r["backend"] not in measured]
+    merged = {**payload, "rows": kept + payload["rows"]}
+    for key in ("startup_rows", "startup"):
+        if key in old:
+            merged[key] = old[key]
+    return merged
+
+
+def main_startup(args: argparse.Namespace, bundles: Path, load_start: list[float]) -> None:
+    """Measure the start-up rows and merge them into the results file (its session rows kept)."""
+    file = result_file(args.quick)
     payload = json.loads(file.read_text()) if file.is_file() else {"rows": []}
     rows = startup_rows(args, bundles)
     measured = {r["backend"] for r in rows}
-    payload["startup_rows"] = [r for r in payload.get("startup_rows", []) if r["backend"] not in measured] + rows
+    run = payload.get("startup", {})  # the previous run's load, kept on the rows it measured
+    kept = [{"load_avg_start": run.get("load_avg_start"), "load_avg_end": run.get("load_avg_end"), **r}
+            for r in payload.get("startup_rows", []) if r["backend"] not in measured]
+    payload["startup_rows"] = kept + rows
     payload["startup"] = {"machine": machine(), "threads": args.threads, "runs": args.runs,
                           "load_avg_start": load_start, "load_avg_end": [round(x, 2) for x in os.getloadavg()],
                           "versions": versions("onnxruntime", "onnxruntime-genai", "llama-cpp-python", "executorch")}
