@@ -1,6 +1,7 @@
 """Sessions benchmark (issue 31): a 10-turn chat with and without a session, per backend.
 
     python bench/sessions.py [--quick] [--threads N] [--only torch,llamacpp,...] [--bundles DIR]
+    python bench/sessions.py --startup-only --bundles DIR [--runs 3] [--threads 1]   # the start-up rows alone
 
 The reference model (SmolLM2-135M-Instruct) on each backend: torch (the float32 checkpoint), llama.cpp
 (the shipped Q4_1 GGUF), ONNX Runtime and ExecuTorch (`edgefinfer build --target linux-x86_64` /
@@ -12,17 +13,30 @@ median of 3 (turn 10 with a session is re-run from the cache state after turn 9)
 session's replies equal the stateless runs' (every turn; --quick: turn 10). Then save/load: the next
 turn's TTFT from a session loaded from its file against the live session's (median of 3 each), and the
 file's size and state ("kv": the cache itself; "tokens": ids only, the history is prefilled again).
-Writes bench/results/sessions.json (--quick: sessions-quick.json).
+
+Start-up ("startup_rows"; `--startup` adds them to a full run, `--startup-only` measures them alone and keeps
+the file's session rows): process start to first token and peak RSS of `edgefinfer run BUNDLE -p PROMPT
+--max-tokens 16` next to the peer's own runner on the same artefact, each a fresh process measured from
+outside: the clock starts before the process is spawned and stops at the first byte it writes to stdout
+(each runner streams its reply, the first token first); the peak RSS is the kernel's (`wait4`'s
+ru_maxrss). Peers: llama.cpp's own code through llama-cpp-python (`Llama`, its tokenizer and loop) on the
+gpu-server bundle's GGUF, onnxruntime-genai's Generator on the linux-x86_64 bundle, ExecuTorch's
+TextLLMRunner on the android bundle's .pte. Runs alternate ours / peer, `--runs` of each (median and
+range). The prompt is the chat template rendered around one question (the same text for every runner).
+Goals (issue 31): peak RSS <= artefact size + 250 MiB (ONNX, GGUF) or no more than the peer's (.pte);
+start to first token no worse than the peer's.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -30,10 +44,20 @@ from common import machine, print_table, versions, write_results  # noqa: E402
 
 BACKENDS = ("executorch", "onnxruntime", "llamacpp", "torch")
 TARGETS = {"onnxruntime": "linux-x86_64", "executorch": "android"}
+STARTUP = {"llamacpp": ("gpu-server", "llama-cpp-python (Llama)"), "onnxruntime": ("linux-x86_64", "onnxruntime-genai"),
+           "executorch": ("android", "ExecuTorch TextLLMRunner")}
+STARTUP_QUESTION = "What is the capital of France?"
+STARTUP_TOKENS = 16
+RSS_HEADROOM_MIB = 250
 CTX = 1024
 TOPICS = ["a lighthouse keeper", "the history of tea", "a bicycle repair", "the rings of Saturn", "a village bakery",
           "the migration of eels", "an old clock tower", "the first printing press", "a winter garden",
           "a river delta", "a chess tournament"]
+
+
+def uptime() -> str:
+    """`uptime`'s line (the shared host's load, recorded before and after each measurement)."""
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
 
 def messages(n: int) -> list[str]:
@@ -149,30 +173,231 @@ def run_backend(backend: str, path: Path, threads: int, quick: bool) -> dict:
             "session_file_bytes": file_bytes, "session_state": state}
 
 
+# ---- start-up: process start to first token, peak RSS, measured from outside ---------------------------
+def startup_prompt(bundle: Path) -> str:
+    from edgefinfer.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(bundle)
+    return tok.apply_chat_template([{"role": "user", "content": STARTUP_QUESTION}])
+
+
+def artefact_bytes(bundle: Path, backend: str) -> int:
+    """The weights' bytes: every file of the bundle's artefact (an ONNX graph and its external data)."""
+    from edgefinfer.bundle import load_manifest
+
+    manifest = load_manifest(bundle, verify=False)
+    files = [a for a in manifest.artefacts if a.backend == backend or a.format in ("onnx-data", "onnx_data")]
+    paths = {bundle / a.path for a in files}
+    art = next(a for a in manifest.artefacts if a.backend == backend)
+    if art.path.endswith(".onnx") and (bundle / (art.path + ".data")).is_file():
+        paths.add(bundle / (art.path + ".data"))
+    return sum(p.stat().st_size for p in paths)
+
+
+def peer_child(backend: str, bundle: str, prompt_file: str, n: int, threads: int) -> None:
+    """The peer's own runner streaming its reply to stdout, a token at a time (run as a child process)."""
+    prompt = Path(prompt_file).read_text()
+    out = sys.stdout
+    if backend == "llamacpp":
+        import llama_cpp
+
+        gguf = next(Path(bundle).glob("*.gguf"))
+        llm = llama_cpp.Llama(str(gguf), n_ctx=2048, n_threads=threads, n_threads_batch=threads, verbose=False)
+        for chunk in llm(prompt, max_tokens=n, temperature=0.0, stream=True):
+            out.write(chunk["choices"][0]["text"])
+            out.flush()
+    elif backend == "onnxruntime":
+        import json as _json
+
+        import numpy as np
+        import onnxruntime_genai as og
+
+        config = og.Config(bundle)
+        config.overlay(_json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
+        model = og.Model(config)
+        tokenizer = og.Tokenizer(model)
+        stream = tokenizer.create_stream()
+        ids = tokenizer.encode(prompt)
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=len(ids) + n, do_sample=False)
+        gen = og.Generator(model, params)
+        gen.append_tokens(np.asarray(ids, dtype=np.int32))
+        while not gen.is_done():
+            gen.generate_next_token()
+            out.write(stream.decode(int(gen.get_next_tokens()[0])))
+            out.flush()
+    elif backend == "executorch":  # as the bundle's README.txt runs it (edgefinfer.app.peer_runners)
+        # The C++ runner prints each token to fd 1 itself (stdio, block-buffered into a pipe, so it arrives at
+        # exit): fd 1 goes to /dev/null and the callback writes to a duplicate of the real stdout, so the first
+        # byte is the first token and the text is the reply once.
+        out = os.fdopen(os.dup(1), "w")
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+        import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401 (the LLM kernels)
+        import executorch.kernels.quantized  # noqa: F401
+        from executorch.extension.llm.runner import GenerationConfig, TextLLMRunner
+        from executorch.extension.pybindings.portable_lib import _unsafe_reset_threadpool
+
+        _unsafe_reset_threadpool(threads)  # the process-wide pool `edgefinfer run --threads` sizes too
+        runner = TextLLMRunner(str(next(Path(bundle).glob("*.pte"))), str(Path(bundle) / "tokenizer.json"))
+        runner.generate(prompt, GenerationConfig(echo=False, max_new_tokens=n, temperature=0.0),
+                        token_callback=lambda text: (out.write(text), out.flush()))
+    out.write("\n")
+
+
+def time_process(cmd: list[str], env: dict[str, str]) -> tuple[float, float, str]:
+    """(seconds from spawn to the first stdout byte, peak RSS MiB, stdout) of one run of `cmd`."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    first = proc.stdout.read(1)
+    ttft = time.perf_counter() - t0
+    rest = proc.stdout.read()
+    err = proc.stderr.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0 or not first:
+        raise RuntimeError(f"{cmd[:4]} failed ({proc.returncode}):\n{err.decode()[-2000:]}")
+    return ttft, usage.ru_maxrss / 1024, (first + rest).decode(errors="replace")
+
+
+def run_startup(backend: str, bundle: Path, threads: int, runs: int) -> dict:
+    prompt = startup_prompt(bundle)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with tempfile.TemporaryDirectory() as tmp:
+        prompt_file = Path(tmp) / "prompt.txt"
+        prompt_file.write_text(prompt)
+        ours = [sys.executable, "-m", "edgefinfer", "run", str(bundle), "-p", prompt, "--max-tokens",
+                str(STARTUP_TOKENS), "--threads", str(threads)]
+        peer = [sys.executable, str(Path(__file__).resolve()), "--peer-child", backend, str(bundle), str(prompt_file),
+                str(STARTUP_TOKENS), str(threads)]
+        got: dict[str, list] = {"ours": [], "peer": []}
+        texts = {}
+        time_process(ours, env), time_process(peer, env)  # one unmeasured run each: the page cache holds the files
+        for _ in range(runs):
+            for name, cmd in (("ours", ours), ("peer", peer)):
+                ttft, rss, text = time_process(cmd, env)
+                got[name].append((ttft, rss))
+                texts[name] = text.strip()
+    art_mib = artefact_bytes(bundle, backend) / 2**20
+
+    def summary(samples: list) -> dict:
+        t, r = [x[0] for x in samples], [x[1] for x in samples]
+        return {"start_to_first_token_s": round(statistics.median(t), 3), "start_to_first_token_range_s":
+                [round(min(t), 3), round(max(t), 3)], "peak_rss_mib": round(statistics.median(r), 1),
+                "peak_rss_range_mib": [round(min(r), 1), round(max(r), 1)]}
+
+    row = {"backend": backend, "bundle": str(bundle), "artefact_mib": round(art_mib, 1), "runs": runs,
+           "max_tokens": STARTUP_TOKENS, "threads": threads, "peer": STARTUP[backend][1],
+           **{f"ours_{k}": v for k, v in summary(got["ours"]).items()},
+           **{f"peer_{k}": v for k, v in summary(got["peer"]).items()},
+           # Each round runs ours then the peer: the median of their per-round ratios holds up better than a
+           # ratio of medians while the host's load drifts.
+           "ttft_ratio_paired": round(statistics.median(o[0] / q[0] for o, q in zip(got["ours"], got["peer"])), 3),
+           "same_text": texts["ours"] == texts["peer"], "ours_text": texts["ours"], "peer_text": texts["peer"]}
+    row["rss_goal_mib"] = (round(art_mib + RSS_HEADROOM_MIB, 1) if backend != "executorch"
+                           else row["peer_peak_rss_mib"])
+    row["rss_goal_met"] = row["ours_peak_rss_mib"] <= row["rss_goal_mib"]
+    row["ttft_goal_met"] = row["ours_start_to_first_token_s"] <= row["peer_start_to_first_token_s"]
+    return row
+
+
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--peer-child":
+        backend, bundle, prompt_file, n, threads = sys.argv[2:7]
+        return peer_child(backend, bundle, prompt_file, int(n), int(threads))
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="replies of 32 tokens, turn 10 checked only")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--only", default=",".join(BACKENDS))
     ap.add_argument("--bundles", type=Path, default=None, help="where the ONNX / ExecuTorch bundles are (built)")
+    ap.add_argument("--startup", action="store_true", help="also measure the start-up rows")
+    ap.add_argument("--startup-only", action="store_true", help="only the start-up rows (the session rows are kept)")
+    ap.add_argument("--runs", type=int, default=3, help="start-up runs of each runner")
     args = ap.parse_args()
     from edgefinfer.data import cache_dir
 
     bundles = args.bundles or cache_dir() / "bench" / "sessions"
     load_start = [round(x, 2) for x in os.getloadavg()]
+    if args.startup_only:
+        return main_startup(args, bundles, load_start)
     rows = []
     for backend in args.only.split(","):
         path = artefact(backend, bundles, args.threads)
         print(f"[{backend}] 10-turn chat on {path}", flush=True)
-        rows.append(run_backend(backend, path, args.threads, args.quick))
+        before = uptime()
+        row = run_backend(backend, path, args.threads, args.quick)
+        rows.append({**row, "threads": args.threads, "uptime_before": before, "uptime_after": uptime()})
     payload = {"machine": machine(), "versions": versions("executorch", "onnxruntime", "llama-cpp-python"),
                "threads": args.threads, "quick": args.quick, "load_avg_start": load_start,
                "load_avg_end": [round(x, 2) for x in os.getloadavg()], "rows": rows}
+    if set(args.only.split(",")) != set(BACKENDS):  # an --only run keeps the file's other rows (and start-up rows)
+        payload = merge_rows(payload, result_file(args.quick))
     out = write_results("sessions", payload, args.quick)
     print_table(rows, ["backend", "turn1_ttft_s", "turn10_ttft_s", "turn10_over_turn1_ttft",
                        "stateless_turn10_ttft_s", "same_text", "live_turn11_ttft_s", "restored_turn11_ttft_s",
                        "session_state"])
+    if args.startup:
+        payload["startup_rows"] = startup_rows(args, bundles)
+        payload["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
+        out = write_results("sessions", payload, args.quick)
     print(f"load average {load_start} -> {payload['load_avg_end']}; wrote {out}")
+
+
+def startup_rows(args: argparse.Namespace, bundles: Path) -> list[dict]:
+    rows = []
+    for backend in (b for b in args.only.split(",") if b in STARTUP):
+        bundle = bundles / STARTUP[backend][0]
+        if not (bundle / "manifest.json").is_file():
+            print(f"[startup] {backend}: no bundle at {bundle}, skipped", flush=True)
+            continue
+        print(f"[startup] {backend}: {bundle} against {STARTUP[backend][1]}, {args.runs} runs each", flush=True)
+        before = uptime()
+        row = run_startup(backend, bundle, args.threads, args.runs)
+        rows.append({**row, "uptime_before": before, "uptime_after": uptime()})
+    cols = ["backend", "artefact_mib", "ours_start_to_first_token_s", "peer_start_to_first_token_s",
+            "ttft_ratio_paired", "ours_peak_rss_mib", "peer_peak_rss_mib", "rss_goal_mib", "rss_goal_met",
+            "ttft_goal_met", "same_text"]
+    print_table(rows, cols)
+    return rows
+
+
+def result_file(quick: bool) -> Path:
+    from common import RESULTS, result_stem
+
+    return RESULTS / f"{result_stem('sessions', quick)}.json"
+
+
+def merge_rows(payload: dict, file: Path) -> dict:
+    """`payload` with the file's rows of the backends it did not measure kept after its own, and the file's
+    start-up rows; each kept row still carries the run-wide fields of its own run (threads, versions) there."""
+    if not file.is_file():
+        return payload
+    old = json.loads(file.read_text())
+    measured = {r["backend"] for r in payload["rows"]}
+    kept = [{"threads": old.get("threads"), "load_avg_start": old.get("load_avg_start"),
+             "load_avg_end": old.get("load_avg_end"), **r} for r in old.get("rows", []) if r["backend"] not in measured]
+    merged = {**payload, "rows": kept + payload["rows"]}
+    for key in ("startup_rows", "startup"):
+        if key in old:
+            merged[key] = old[key]
+    return merged
+
+
+def main_startup(args: argparse.Namespace, bundles: Path, load_start: list[float]) -> None:
+    """Measure the start-up rows and merge them into the results file (its session rows kept)."""
+    file = result_file(args.quick)
+    payload = json.loads(file.read_text()) if file.is_file() else {"rows": []}
+    rows = startup_rows(args, bundles)
+    measured = {r["backend"] for r in rows}
+    run = payload.get("startup", {})  # the previous run's load, kept on the rows it measured
+    kept = [{"load_avg_start": run.get("load_avg_start"), "load_avg_end": run.get("load_avg_end"), **r}
+            for r in payload.get("startup_rows", []) if r["backend"] not in measured]
+    payload["startup_rows"] = kept + rows
+    payload["startup"] = {"machine": machine(), "threads": args.threads, "runs": args.runs,
+                          "load_avg_start": load_start, "load_avg_end": [round(x, 2) for x in os.getloadavg()],
+                          "versions": versions("onnxruntime", "onnxruntime-genai", "llama-cpp-python", "executorch")}
+    out = write_results("sessions", payload, args.quick)
+    print(f"load average {load_start} -> {payload['startup']['load_avg_end']}; wrote {out}")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ saying which file and how.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import platform
@@ -28,6 +27,7 @@ from typing import Any
 
 from edgefinfer.atomic import atomic_dir
 from edgefinfer.errors import UserError
+from edgefinfer.file_hash import known_sha256, sha256_file
 from edgefinfer.model_files import read_json
 
 FORMAT = "edgefinfer-bundle"
@@ -67,14 +67,6 @@ class Manifest:
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2) + "\n"
-
-
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def tool_versions() -> dict[str, str | None]:
@@ -264,7 +256,7 @@ def verify_artefact(folder: Path, art: Artefact) -> Path:
     if size != art.size:
         raise UserError(f"{art.path} in bundle {folder} has {size} bytes, the manifest says {art.size} "
                         f"(truncated or changed); rebuild the bundle")
-    if sha256_file(file) != art.sha256:
+    if known_sha256(file) != art.sha256:  # hashed once per version of the file (file_hash)
         raise UserError(f"{art.path} in bundle {folder} does not match its sha256 in the manifest "
                         f"(changed after the build); rebuild the bundle")
     return file

@@ -50,6 +50,7 @@ import torch
 
 from edgefinfer.atomic import write_bytes
 from edgefinfer.errors import UserError
+from edgefinfer.user_cache import cache_dir  # noqa: F401 (re-exported: edgefinfer.data.cache_dir)
 
 log = logging.getLogger(__name__)
 
@@ -149,12 +150,6 @@ _SPLIT_INFO: dict[str, SplitInfo] = {
 
 # ----------------------------------------------------------------------------------------------
 # Public API
-
-
-def cache_dir() -> Path:
-    """`$EDGEFINFER_CACHE`, or `~/.cache/edgefinfer` when it is unset or empty."""
-    root = os.environ.get("EDGEFINFER_CACHE")
-    return Path(root).expanduser() if root else Path.home() / ".cache" / "edgefinfer"
 
 
 def corpus_info() -> dict[str, dict[str, Any]]:

@@ -35,19 +35,21 @@ import tempfile
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
-from edgefinfer.checkpoint import save_model
 from edgefinfer.config import FULL, SLIDING, ModelConfig, normalize_eos_ids
 from edgefinfer.errors import UserError
-from edgefinfer.model import Transformer
 from edgefinfer.model_files import check_gguf
 from edgefinfer.tokenizer import Tokenizer, bos_eos_processor
+
+if TYPE_CHECKING:  # torch and the model only for the weights: a GGUF's tokenizer and config load without them
+    import torch
+
+    from edgefinfer.model import Transformer
 
 try:
     import gguf
@@ -469,6 +471,8 @@ def _fused_parts(g: GGUFFile, config: ModelConfig, m: re.Match | None) -> tuple[
 def state_dict_from_gguf(g: GGUFFile, config: ModelConfig) -> dict[str, torch.Tensor]:
     """All weights as fp32 tensors under our parameter names: q/k un-permuted for the architectures
     llama.cpp rotates in interleaved pairs, Phi-3's fused qkv and gate|up split into their parts."""
+    import torch
+
     arch = config.family.gguf_arch
     permuted = arch in PERMUTED_ARCHS
     state: dict[str, torch.Tensor] = {}
@@ -499,6 +503,10 @@ def state_dict_from_gguf(g: GGUFFile, config: ModelConfig) -> dict[str, torch.Te
 
 
 def model_from_state(config: ModelConfig, state: dict[str, torch.Tensor], source: Path) -> Transformer:
+    import torch
+
+    from edgefinfer.model import Transformer
+
     with torch.device("meta"):
         model = Transformer(config)
     expected = {k: v.shape for k, v in model.state_dict().items()}
@@ -618,6 +626,8 @@ def convert_gguf(path: str | Path, out_dir: str | Path, source: dict[str, Any] |
     if tokenizer.chat_template is None:
         tokenizer.chat_template = chat_template
     recorded = {**(source or {}), "gguf_type": file_type(g), "tensor_types": tensor_types(g, model.config)}
+    from edgefinfer.checkpoint import save_model
+
     with tempfile.TemporaryDirectory() as tok_dir:
         tokenizer.save(tok_dir)
         return save_model(model, out_dir, tokenizer_dir=tok_dir,

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from edgefinfer.errors import UserError
+from edgefinfer.quiet import quiet_ort
 
 QNN_PACKAGE, QNN_VERSION, QNN_EP = "onnxruntime-qnn", "2.7.0", "QNNExecutionProvider"
 
@@ -20,6 +21,7 @@ def import_ort():
         import onnxruntime as ort
     except ImportError as e:  # pragma: no cover - onnxruntime is a declared dependency
         raise UserError("the ONNX backend needs onnxruntime: pip install onnxruntime") from e
+    quiet_ort(ort)
     return ort
 
 

@@ -44,8 +44,22 @@ class _DropThirdPartyWarnings(logging.Filter):
         return record.levelno >= logging.ERROR or "onnxruntime" not in record.pathname
 
 
-def silence_python_noise() -> None:
-    """Logger levels and warning filters for the sources above (before or after they are imported)."""
+_ort_quiet = False  # set by silence_python_noise: `quiet_ort` then turns ONNX Runtime's logger down on import
+
+
+def quiet_ort(ort) -> None:
+    """ONNX Runtime's C++ warnings (the QNN EP's notes on features this host lacks): errors only, once a
+    command asked for quiet. Called where ONNX Runtime is imported for the runtime (`ort_ep.import_ort`),
+    so a command that never runs it (a GGUF) never loads it."""
+    if _ort_quiet:
+        ort.set_default_logger_severity(3)
+
+
+def silence_python_noise(load_ort: bool = True) -> None:
+    """Logger levels and warning filters for the sources above (before or after they are imported).
+    load_ort: import ONNX Runtime now to quiet it (the build, whose exporters import it directly);
+    False: quiet it when it is imported through `ort_ep.import_ort`, or now if it already is."""
+    global _ort_quiet
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
     root = logging.getLogger()
@@ -54,10 +68,13 @@ def silence_python_noise() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"(torch|torchao|executorch|onnxscript)\b")
     warnings.filterwarnings("ignore", message=r".*LeafSpec.*", category=FutureWarning)
     warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"(torch|torchao|executorch|coremltools)\b")
-    try:  # ONNX Runtime's C++ warnings (the QNN EP's notes on features this host lacks): errors only
+    _ort_quiet = True
+    if not load_ort and "onnxruntime" not in sys.modules:
+        return
+    try:
         import onnxruntime
 
-        onnxruntime.set_default_logger_severity(3)
+        quiet_ort(onnxruntime)
     except ImportError:
         pass
 
@@ -100,11 +117,12 @@ def filtered_fd(fd: int, noise: re.Pattern[str] = NATIVE_NOISE) -> Iterator[None
 
 
 @contextlib.contextmanager
-def quiet(enabled: bool = True) -> Iterator[None]:
-    """Silence third-party noise for the duration of a command (no-op when not `enabled`)."""
+def quiet(enabled: bool = True, load_ort: bool = True) -> Iterator[None]:
+    """Silence third-party noise for the duration of a command (no-op when not `enabled`); `load_ort`:
+    see `silence_python_noise` (the runtime's commands pass False: a GGUF run never loads ONNX Runtime)."""
     if not enabled:
         yield
         return
-    silence_python_noise()
+    silence_python_noise(load_ort)
     with filtered_fd(1), filtered_fd(2):  # Qualcomm's libraries write to stdout, ExecuTorch's to stderr
         yield

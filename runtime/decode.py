@@ -27,7 +27,7 @@ import numpy as np
 
 from edgefinfer.errors import UserError
 from edgefinfer.generation import GenerationStats
-from edgefinfer.runtime.backends.base import Backend
+from edgefinfer.runtime.backends.base import Backend, last_logits
 from edgefinfer.runtime.speculative.adaptive import AdaptiveK
 from edgefinfer.sampling import SamplingParams
 from edgefinfer.structured import TokenMatcher, trim_draft
@@ -137,7 +137,7 @@ def generate_tokens(backend: Backend, prompt_ids: Sequence[int], max_new_tokens:
 
     t0 = time.perf_counter()
     context = list(prompt_ids)
-    tok = pick_token(backend.forward(context[cached:], cached)[-1], params, context, generator, matcher)
+    tok = pick_token(last_logits(backend, context[cached:], cached), params, context, generator, matcher)
     stats.prefill_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     produced = 0

@@ -18,8 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, Literal
 
-import psutil
-
 from edgefinfer.artefact import Layout
 from edgefinfer.errors import UserError
 from edgefinfer.generation import Generation, detokenize, encode_prompt, finish_reason, stop_token_ids
@@ -115,6 +113,11 @@ def open_backend(path: str | Path, kind: str | None = None, kv: KVOption = KVOpt
     """The backend and tokenizer for an artefact path (see `edgefinfer.resolve`); `kind` forces a backend."""
     src = resolve(path, kind)
     if src.kind == "bundle":
+        # tokenizer.json (3.5 MB of JSON for SmolLM2: 0.1-0.3 s) parses while the runtime loads the weights,
+        # which llama.cpp and ONNX Runtime do in native code with the GIL released. The parse holds the GIL
+        # (tokenizers' from_file), so the Python imports come first: they would wait for it.
+        _import_runtime(src.backend)
+        tokenizer = _Background(src.tokenizer)
         if src.entry.format == "qnn-context":  # static graphs: QNN EP (HTP / emulator) or CPU EP, see open_qnn
             from edgefinfer.runtime.backends.ort import open_qnn
 
@@ -125,10 +128,49 @@ def open_backend(path: str | Path, kind: str | None = None, kv: KVOption = KVOpt
         else:
             backend = _open(src.path, src.backend, kv, threads, max_seq_len)
         info = {"bundle": src.manifest.target, "artefact": src.entry.path, "sha256": src.entry.sha256}
+        tokenizer = tokenizer.result()
     else:
         backend, info = _open(src.path, src.backend, kv, threads, max_seq_len), {"artefact": str(src.path)}
-    tokenizer = src.tokenizer()
+        tokenizer = src.tokenizer()
     return backend, tokenizer, {**info, "eos_ids": src.stop_ids(tokenizer), "path": str(src.path)}
+
+
+def _import_runtime(kind: str | None) -> None:
+    """Import a backend's module and its runtime's Python package (what `_open` would import first)."""
+    if kind == "llamacpp":
+        from edgefinfer.runtime.backends.llamacpp_binding import llama_cpp_lib
+
+        llama_cpp_lib()
+    elif kind == "onnxruntime":
+        import edgefinfer.runtime.backends.ort  # noqa: F401
+        from edgefinfer.ort_ep import import_ort
+
+        import_ort()
+    elif kind == "executorch":  # torch, torchao and exir's edge.yaml (pure-Python YAML): seconds of GIL-bound imports
+        from edgefinfer.runtime.backends.executorch import register_kernels
+
+        register_kernels()
+
+
+class _Background:
+    """`fn(*args)` in a thread; `result()` joins it and returns its value or raises its exception."""
+
+    def __init__(self, fn: Callable, *args):
+        self._value, self._error = None, None
+        self._thread = threading.Thread(target=self._run, args=(fn, args), daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable, args: tuple) -> None:
+        try:
+            self._value = fn(*args)
+        except BaseException as e:  # handed to the caller of result()
+            self._error = e
+
+    def result(self):
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
 
 
 def _open(path: Path, kind: str | None, kv: KVOption, threads: int | None, max_seq_len: int | None) -> Backend:
@@ -302,8 +344,10 @@ def peak_rss_mb() -> float:
                     return int(line.split()[1]) / 1024
     except OSError:
         pass
-    return psutil.Process().memory_info().rss / 2**20
+    return rss_mb()
 
 
 def rss_mb() -> float:
+    import psutil  # only off Linux (peak_rss_mb reads /proc there): 30-80 ms of every start otherwise
+
     return psutil.Process().memory_info().rss / 2**20

@@ -223,13 +223,13 @@ def identity(engine: Engine) -> dict[str, str]:
 
 def artefact_sha256(path: Path) -> str:
     """A file's sha256; a folder's: the sha256 of its files' names and sha256s (sorted)."""
-    from edgefinfer.bundle import sha256_file
+    from edgefinfer.file_hash import known_sha256
 
     if path.is_file():
-        return sha256_file(path)
+        return known_sha256(path)
     h = hashlib.sha256()
     for file in sorted(p for p in path.rglob("*") if p.is_file()):
-        h.update(f"{file.relative_to(path)}\0{sha256_file(file)}\n".encode())
+        h.update(f"{file.relative_to(path)}\0{known_sha256(file)}\n".encode())
     return h.hexdigest()
 
 
@@ -287,24 +287,44 @@ def read_session_file(path: str | Path) -> tuple[dict[str, Any], bytes]:
     return header, payload
 
 
+@dataclass(frozen=True)
+class SessionFile:
+    """A session file's contents, parsed and checked once (`read_session`)."""
+
+    path: Path
+    artefact_sha256: str | None
+    backend: str | None
+    cache: str | None
+    tokens: list[int]
+    messages: list[dict[str, str]]
+    transcript: str
+    arrays: dict[str, np.ndarray] | None  # None: state "tokens" (the cache itself was not saved)
+
+
+def read_session(path: str | Path) -> SessionFile:
+    """A session file parsed (`read_session_file`, then its fields typed); a UserError if damaged."""
+    header, payload = read_session_file(path)
+    try:
+        return SessionFile(
+            Path(path), header.get("artefact_sha256"), header.get("backend"), header.get("cache"),
+            [int(t) for t in header["tokens"]],
+            [{"role": str(m["role"]), "content": str(m["content"])} for m in header["messages"]],
+            str(header["transcript"]), _arrays(header["arrays"], payload) if header["state"] == "kv" else None)
+    except (KeyError, TypeError, ValueError):
+        raise UserError(f"the session file {path} has a damaged header; save the session again") from None
+
+
 def load_session(engine: Engine, path: str | Path) -> Session:
     """A Session from `Session.save`'s file, its cache restored into the engine's backend. Everything is
     checked before the backend is touched: on a refusal any other session keeps its cache."""
-    header, payload = read_session_file(path)
+    saved = read_session(path)
     here = identity(engine)
     what = {"backend": "backend (", "artefact_sha256": "model (artefact sha256", "cache": "cache layout ("}
     for key, name in what.items():
-        if header.get(key) != here[key]:
-            raise UserError(f"{path} was saved with another {name} {header.get(key)!r}, here {here[key]!r}); "
+        if getattr(saved, key) != here[key]:
+            raise UserError(f"{path} was saved with another {name} {getattr(saved, key)!r}, here {here[key]!r}); "
                             "load it with the engine it was saved with")
-    try:
-        tokens = [int(t) for t in header["tokens"]]
-        messages = [{"role": str(m["role"]), "content": str(m["content"])} for m in header["messages"]]
-        transcript = str(header["transcript"])
-        state = header["state"]
-        arrays = _arrays(header["arrays"], payload) if state == "kv" else None
-    except (KeyError, TypeError, ValueError):
-        raise UserError(f"the session file {path} has a damaged header; save the session again") from None
+    tokens, arrays = saved.tokens, saved.arrays
     backend = engine.backend
     if arrays is not None:
         shapes = backend.cache_shapes(len(tokens)) if hasattr(backend, "cache_shapes") else None
@@ -314,7 +334,7 @@ def load_session(engine: Engine, path: str | Path) -> Session:
     if tokens and (len(tokens) > backend.max_seq_len or max(tokens) >= backend.vocab_size or min(tokens) < 0):
         raise UserError(f"the session file {path} holds token ids this model cannot take; save the session again")
     session = Session(engine)
-    session.messages, session.transcript = messages, transcript
+    session.messages, session.transcript = saved.messages, saved.transcript
     if arrays is not None and tokens:
         with engine._lock:
             engine.cache_owner = None  # if the import fails half-way, no session trusts the cache

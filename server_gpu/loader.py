@@ -13,6 +13,7 @@ Token ids go to llama.cpp as ids, so both backends see the same tokens for the s
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from pathlib import Path
 
 from edgefinfer.errors import UserError
 from edgefinfer.resolve import ModelSource, resolve
+from edgefinfer.server_gpu import session_seed
 from edgefinfer.server_gpu.batched_speculation import SpeculationConfig
 from edgefinfer.server_gpu.engine import ServingEngine, ServingEngineConfig
 from edgefinfer.server_gpu.interface import Executor
@@ -61,6 +63,7 @@ class ServeOptions:
     served_model_name: str | None = None
     preemption: str = "recompute"  # or "swap" (llama.cpp, one stream per sequence)
     kv_blocks: int | None = None  # cap the KV manager's pool below what the storage holds (forces preemption)
+    sessions: tuple[str, ...] = ()  # llama.cpp session files whose cells seed the prefix cache (session_seed)
 
 
 @dataclass(frozen=True)
@@ -76,7 +79,19 @@ def kv_settings(opts: ServeOptions) -> KVSettings:
     Default: f16 KV and flash attention as llama-server runs them, in the unified pool (prefixes shared
     and kept after their request). --batch-invariant: per-slot streams, f32 KV, no flash attention, the
     only settings under which a request's tokens equal `edgefinfer run`'s whatever its neighbours; a
-    flag that contradicts it is a usage error rather than a silently inexact server."""
+    flag that contradicts it is a usage error rather than a silently inexact server.
+
+    --session: the unified pool (retained prefixes live there) with the runtime's cell format, f32 K/V
+    without flash attention, which is all llama.cpp restores a device's cells into (`session_seed`)."""
+    if opts.sessions:
+        clash = [flag for flag, bad in (("--batch-invariant", opts.batch_invariant),
+                                        ("--kv-layout per-slot", opts.kv_unified is False),
+                                        ("--kv-dtype f16", opts.kv_dtype == "f16"), ("--flash-attn", opts.flash_attn))
+                 if bad]
+        if clash:
+            raise UserError(f"--session restores the device's llama.cpp cells, which need the unified pool with f32 "
+                            f"K/V and no flash attention (as `edgefinfer run` keeps them); drop {' and '.join(clash)}")
+        return KVSettings(True, "f32", False)
     if not opts.batch_invariant:
         return KVSettings(True if opts.kv_unified is None else opts.kv_unified, opts.kv_dtype or "f16",
                           True if opts.flash_attn is None else opts.flash_attn)
@@ -92,6 +107,17 @@ def build_engine(opts: ServeOptions) -> tuple[ServingEngine, str]:
     """The engine (not started) and the model name clients must send."""
     src = _resolve(opts.model)
     backend = opts.backend or ("llamacpp" if src.is_gguf else "torch")
+    sessions = []
+    if opts.sessions:  # checked before the model loads: a wrong file costs no load
+        if backend != "llamacpp" or not src.is_gguf:
+            raise UserError("--session seeds llama.cpp's cache: serve a GGUF (or a bundle with one) on the llamacpp "
+                            "backend")
+        known = src.entry.sha256 if src.entry is not None else None  # a bundle's manifest names its GGUF's
+        sessions = session_seed.check(opts.sessions, session_seed.file_sha256(src.path, known))
+        if opts.retain_tokens is None:  # room for the conversations beside one system prompt's worth
+            from edgefinfer.server_gpu.executor_llamacpp import DEFAULT_RETAIN_TOKENS
+
+            opts = dataclasses.replace(opts, retain_tokens=DEFAULT_RETAIN_TOKENS + sum(len(s.tokens) for s in sessions))
     if backend == "llamacpp":
         executor, tokenizer, eos = _llamacpp(src, opts)
     elif backend == "torch":
@@ -106,6 +132,9 @@ def build_engine(opts: ServeOptions) -> tuple[ServingEngine, str]:
     speculation = _speculation(opts, src, backend, executor)
     config = ServingEngineConfig(sched, opts.enable_prefix_caching)
     engine = ServingEngine(executor, tokenizer, eos, config, speculation)
+    for number, session in enumerate(sessions):
+        kept = session_seed.seed(engine.manager, executor.storage, session, number, executor.max_model_len)
+        log.info("seeded the prefix cache with %s: %d of its %d tokens", session.path, kept, len(session.tokens))
     return engine, opts.served_model_name or src.name
 
 

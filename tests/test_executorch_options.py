@@ -134,3 +134,16 @@ def test_missing_program_is_a_user_error(tmp_path: Path):
     (tmp_path / "junk.pte").write_bytes(b"not a program")
     with pytest.raises(UserError, match="not a loadable ExecuTorch program"):
         ExecuTorchBackend(tmp_path / "junk.pte")
+
+
+def test_a_pte_bundle_imports_its_kernels_before_the_tokenizer_thread_starts():
+    # The ExecuTorch imports (torch, exir's edge.yaml) are pure Python: started after the tokenizer.json
+    # parse, which holds the GIL, they would wait for it. open_backend calls this before that thread.
+    from edgefinfer.runtime.backends.executorch import KERNEL_MODULES
+    from edgefinfer.runtime.engine import _import_runtime
+
+    code = ("import sys; from edgefinfer.runtime.engine import _import_runtime; _import_runtime('executorch'); "
+            f"print(all(m in sys.modules for m in {KERNEL_MODULES!r}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out[-1] == "True", out
+    assert _import_runtime("torch") is None  # a backend without a separate runtime package: nothing to do

@@ -1,5 +1,7 @@
 """A phone-side install: a fresh virtualenv with only the `runtime` extra runs a bundle, and the
-runtime never imports an exporter (edgefinfer.compile, onnx, torchao, transformers)."""
+runtime never imports an exporter (edgefinfer.compile, onnx, torchao, transformers); `edgefinfer run`
+on an ONNX bundle or a GGUF never imports torch (nor, on a GGUF, ONNX Runtime) and prints the tokens the
+Engine gives in-process."""
 
 import hashlib
 import os
@@ -51,7 +53,7 @@ def _runtime_venv(env: dict[str, str]) -> Path:
     cache, keyed on pyproject.toml and this Python (what decides what pip installs): a first run creates
     it (minutes), later ones reuse it. This checkout's own code is reinstalled into it every time, so the
     test always runs the code under test."""
-    from edgefinfer.data import cache_dir
+    from edgefinfer.user_cache import cache_dir
 
     key = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + sys.version.encode()).hexdigest()[:16]
     env_dir = cache_dir() / "test-venvs" / f"runtime-{key}"
@@ -85,3 +87,39 @@ def test_runtime_extra_alone_runs_a_bundle(onnx_bundle, tmp_path):
     cli = subprocess.run([str(env_dir / "bin" / "edgefinfer"), "run", str(onnx_bundle), "-p", "It is", "-n", "4",
                           "--no-stream"], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert cli.returncode == 0, cli.stderr[-2000:]
+
+
+# `edgefinfer run ARGS` as the console command runs it, reporting at exit which heavy packages got loaded.
+RUN_REPORTING_MODULES = """
+import atexit, runpy, sys
+HEAVY = ("torch", "onnxruntime", "gguf", "transformers", "executorch")
+atexit.register(lambda: sys.stderr.write("\\nLOADED " + ",".join(sorted({m.split(".")[0] for m in sys.modules
+                                                                         if m.split(".")[0] in HEAVY})) + "\\n"))
+sys.argv = ["edgefinfer", "run", *sys.argv[1:]]
+runpy.run_module("edgefinfer", run_name="__main__")
+"""
+
+
+@pytest.fixture(scope="module")
+def gguf_file(tmp_path_factory):
+    pytest.importorskip("llama_cpp")
+    from tests.server_harness import tiny_gguf
+
+    return tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+
+
+# A bare GGUF has no tokenizer.json beside it: gguf-py reads its tokenizer from the file.
+@pytest.mark.parametrize("artefact, allowed", [("onnx_bundle", {"onnxruntime"}), ("gguf_file", {"gguf"})])
+def test_run_loads_no_torch(request, artefact, allowed):
+    from edgefinfer.runtime.engine import Engine
+
+    path = request.getfixturevalue(artefact)
+    prompt = "It is a truth"
+    proc = subprocess.run([sys.executable, "-c", RUN_REPORTING_MODULES, str(path), "-p", prompt, "--max-tokens", "8",
+                           "--threads", "1"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    loaded = set(proc.stderr.rsplit("LOADED ", 1)[1].split()[0].split(",")) - {""}
+    assert loaded == allowed, proc.stderr  # no torch: greedy decoding on ONNX Runtime and llama.cpp needs none
+    expect = Engine.load(path, threads=1).generate(prompt, max_tokens=8)
+    assert expect.token_ids
+    assert proc.stdout == expect.text + "\n"  # the same tokens as the Engine in-process

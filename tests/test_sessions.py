@@ -102,8 +102,10 @@ def test_editing_the_last_turn_prefills_only_from_the_edit(artefacts, name):
     turn(session, "Please write a long poem about the sea and its waves", 6)
     before = encode_messages(engine.tokenizer, session.messages[:-1])
     calls = []
-    forward = engine.backend.forward
-    engine.backend.forward = lambda tokens, start: calls.append((start, len(tokens))) or forward(tokens, start)
+    for method in ("forward", "forward_last"):  # forward_last: a prefill on llama.cpp (backends.base.last_logits)
+        if (real := getattr(engine.backend, method, None)) is not None:
+            setattr(engine.backend, method,
+                    lambda tokens, start, real=real: calls.append((start, len(tokens))) or real(tokens, start))
     got = turn(session, "Please write a long poem about the moon", 6, method="edit")
     after = encode_messages(engine.tokenizer, session.messages[:-1])
     keep = common_prefix(before, after)

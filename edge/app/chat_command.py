@@ -169,7 +169,7 @@ def chat(bundle: str, backend: str | None, max_tokens: int, temperature: float, 
     from edgefinfer.sampling import SamplingParams
 
     lines = read_lines(messages) if messages is not None else None  # a missing file fails before loading
-    with quiet():
+    with quiet(load_ort=False):
         engine = Engine.load(bundle, backend=backend, kv=kv, speculative=speculative, threads=threads,
                              max_seq_len=max_seq_len)
     if engine.tokenizer.chat_template is None:

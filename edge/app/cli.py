@@ -183,7 +183,7 @@ def run(bundle: str, prompt: str | None, backend: str | None, kv: str | None, sp
     from edgefinfer.quiet import quiet
     from edgefinfer.runtime.engine import Engine
 
-    with quiet():  # the runtimes' start-up chatter (QNN EP, Qualcomm's libraries); not while streaming
+    with quiet(load_ort=False):  # the runtimes' start-up chatter (QNN EP, Qualcomm's libraries); not while streaming
         engine = Engine.load(bundle, backend=backend, kv=kv, speculative=speculative, threads=threads)
     if prompt is not None:
         _generate_with_engine(engine, prompt, **opts)

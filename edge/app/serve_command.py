@@ -59,6 +59,10 @@ from edgefinfer.errors import UserError
               help="Exactly the tokens of `edgefinfer run` for every request, whatever runs beside it (per-slot "
                    "KV in f32, no flash attention, aligned prompt chunks, one forward per token count; vLLM's "
                    "batch-invariant mode). Slower under concurrency.")
+@click.option("--session", "sessions", multiple=True, metavar="FILE",
+              help="A conversation saved on the device's llama.cpp backend (`edgefinfer chat` /save) on this GGUF: its "
+                   "cache seeds the prefix cache, so a request that continues it computes only the new tokens "
+                   "(repeatable; implies f32 K/V without flash attention, as the device keeps them). See docs/SERVER.md.")
 @click.option("--gpu-layers", default=0, show_default=True, type=click.IntRange(0),
               help="llama.cpp layers offloaded to the GPU (CUDA build; 999 = all).")
 @click.option("--device", default="cpu", show_default=True, help="torch backend device (cpu, cuda).")
@@ -88,7 +92,7 @@ def serve(model: str, backend: str | None, host: str, port: int, max_num_seqs: i
           max_num_batched_tokens: int, prefill_chunk: int, block_size: int, no_prefix_caching: bool,
           kv_layout: str, kv_cells: int | None, retain_prefixes: int | None,
           retain_tokens: int | None, preemption: str, kv_dtype: str | None, flash_attn: bool | None,
-          batch_invariant: bool, gpu_layers: int, device: str,
+          batch_invariant: bool, sessions: tuple[str, ...], gpu_layers: int, device: str,
           threads: int | None, speculative: str | None, fixed_k: bool, served_model_name: str | None,
           api_key: str | None, max_body_bytes: int, shutdown_grace_s: float, replicas: int | None, address: str | None,
           routing: str | None, log_level: str) -> None:
@@ -107,8 +111,11 @@ def serve(model: str, backend: str | None, host: str, port: int, max_num_seqs: i
                         retain_prefixes=retain_prefixes, retain_tokens=retain_tokens,
                         flash_attn=flash_attn, kv_dtype=kv_dtype, threads=threads, gpu_layers=gpu_layers,
                         device=device, speculative=speculative, adaptive_speculation=not fixed_k,
-                        served_model_name=served_model_name, preemption=preemption)
+                        served_model_name=served_model_name, preemption=preemption, sessions=sessions)
     if replicas is not None or address is not None:  # Ray only here: one process never imports it
+        if sessions:
+            raise UserError("--session seeds one process's cache; with --replicas each replica has its own: serve "
+                            "the session without --replicas")
         from edgefinfer.server_gpu import replica_launch as rl
         from edgefinfer.server_gpu.prefix_router import Routing
         n = 1 if replicas is None else replicas

@@ -41,3 +41,11 @@ class Backend(Protocol):
     def reset(self) -> None:
         """Forget everything (a new sequence)."""
         ...
+
+
+def last_logits(backend: Backend, tokens: Sequence[int], start_pos: int) -> np.ndarray:
+    """Feed `tokens` and return the last one's logits [V]: what a prefill needs. A backend that can skip
+    the other rows declares `forward_last` (llama.cpp computes and copies logits only where asked); the
+    others compute every row in their graph anyway."""
+    last = getattr(backend, "forward_last", None)
+    return last(tokens, start_pos) if last is not None else backend.forward(tokens, start_pos)[-1]

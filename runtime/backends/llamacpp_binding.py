@@ -230,8 +230,11 @@ class LlamaContext:
             raise RuntimeError(f"llama_state_seq_get_data could not save llama sequence {seq}")
         return buf
 
-    def restore(self, seq: int, buf: ctypes.Array) -> None:
-        """Replace sequence `seq`'s cells by a state from `save` (of any sequence)."""
+    def restore(self, seq: int, buf: ctypes.Array | bytes) -> None:
+        """Replace sequence `seq`'s cells by a state from `save` (of any sequence, also of another
+        context: a session file's)."""
+        if not isinstance(buf, ctypes.Array):
+            buf = (ctypes.c_uint8 * len(buf)).from_buffer_copy(buf)
         self.remove(seq)
         if self.lib.llama_state_seq_set_data(self.ptr, buf, len(buf), seq) != len(buf):
             raise RuntimeError(f"llama_state_seq_set_data could not restore llama sequence {seq}")
