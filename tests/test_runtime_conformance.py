@@ -44,7 +44,15 @@ def artefacts(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engines(artefacts):
-    return {name: Engine.load(path, backend=name, max_seq_len=128) for name, path in artefacts.items()}
+    engines = {name: Engine.load(path, backend=name, max_seq_len=128) for name, path in artefacts.items()}
+    # The model names no EOS, but the bare GGUF stops where llama.cpp does: at its end-of-generation control
+    # token <|im_end|> (edgefinfer.resolve.ModelSource.stop_ids, the rule run and serve share). This module
+    # compares the numerics of the formats, so no engine stops early.
+    assert engines["llamacpp"].eos_ids == (engines["llamacpp"].tokenizer.encode("<|im_end|>")[0],)
+    assert all(e.eos_ids == () for name, e in engines.items() if name != "llamacpp")
+    for engine in engines.values():
+        engine.eos_ids = ()
+    return engines
 
 
 def test_greedy_tokens_are_identical_on_every_backend(engines):
