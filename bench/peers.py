@@ -2,6 +2,7 @@
 
     python bench/peers.py llama-server                  # prints the binary's path, building it if needed
     python bench/peers.py llama-server -DGGML_CUDA=ON   # a CUDA build (bench/server_gpu.sh), cached apart
+    python bench/peers.py llama-imatrix llama-quantize  # llama.cpp's importance matrix and quantizer tools
 
 llama-cpp-python's sdist carries llama.cpp's full source (vendor/llama.cpp); building `llama-server`
 from it with the same ggml flags as our wheel (the Makefile's CMAKE_ARGS) gives the peer the very
@@ -52,32 +53,40 @@ def _sdist(work: Path) -> Path:
 
 def llama_server(extra_flags: tuple[str, ...] = (), jobs: int | None = None) -> Path:
     """Path of a `llama-server` binary built from the pinned sources; built on first use."""
+    return llama_tools(("llama-server",), extra_flags, jobs)["llama-server"]
+
+
+def llama_tools(names: tuple[str, ...], extra_flags: tuple[str, ...] = (), jobs: int | None = None
+                ) -> dict[str, Path]:
+    """Paths of llama.cpp's tools `names` (llama-server, llama-imatrix, llama-quantize, ...) built from
+    the pinned sources; those not built yet are built together, in one configure and one ggml."""
     out = build_dir(extra_flags)
-    binary = out / "llama-server"
-    if binary.is_file():
-        return binary
+    binaries = {name: out / name for name in names}
+    missing = [name for name, path in binaries.items() if not path.is_file()]
+    if not missing:
+        return binaries
     installed = metadata.version("llama-cpp-python") if _installed() else None
     if installed not in (None, LLAMA_CPP_PYTHON):
         _log(f"note: llama-cpp-python {installed} is installed, building the peer from {LLAMA_CPP_PYTHON}")
     t0 = time.time()
-    with tempfile.TemporaryDirectory(prefix="llama-server-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="llama-tools-") as tmp:
         work = Path(tmp)
-        _log(f"building llama-server from llama-cpp-python {LLAMA_CPP_PYTHON}'s vendored llama.cpp "
+        _log(f"building {', '.join(missing)} from llama-cpp-python {LLAMA_CPP_PYTHON}'s vendored llama.cpp "
              f"(about 6 minutes on 2 cores, once)")
         src = _sdist(work)
         build = work / "build"
         subprocess.run(["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
                         *GGML_FLAGS, *extra_flags], check=True, stdout=subprocess.DEVNULL)
-        subprocess.run(["cmake", "--build", str(build), "--target", "llama-server", "-j",
+        subprocess.run(["cmake", "--build", str(build), "--target", *missing, "-j",
                         str(jobs or os.cpu_count() or 2)], check=True, stdout=subprocess.DEVNULL)
-        built = next(build.glob("bin/llama-server"))
         out.mkdir(parents=True, exist_ok=True)
-        tmp_bin = out / "llama-server.tmp"
-        shutil.copy2(built, tmp_bin)
         (out / "flags.txt").write_text(" ".join(GGML_FLAGS + extra_flags) + "\n")
-        os.replace(tmp_bin, binary)  # a half-copied binary never looks built
-    _log(f"built {binary} in {time.time() - t0:.0f} s")
-    return binary
+        for name in missing:
+            tmp_bin = out / f"{name}.tmp"
+            shutil.copy2(next(build.glob(f"bin/{name}")), tmp_bin)
+            os.replace(tmp_bin, binaries[name])  # a half-copied binary never looks built
+    _log(f"built {', '.join(missing)} in {time.time() - t0:.0f} s")
+    return binaries
 
 
 def _installed() -> bool:
@@ -89,7 +98,9 @@ def _installed() -> bool:
 
 
 if __name__ == "__main__":
-    # python bench/peers.py llama-server [-DFLAG=VALUE ...]   extra CMake flags, e.g. -DGGML_CUDA=ON
-    if sys.argv[1:2] != ["llama-server"] or not all(a.startswith("-D") for a in sys.argv[2:]):
-        sys.exit("usage: python bench/peers.py llama-server [-DCMAKE_FLAG=VALUE ...]")
-    print(llama_server(tuple(sys.argv[2:])))
+    # python bench/peers.py TOOL [TOOL ...] [-DFLAG=VALUE ...]   extra CMake flags, e.g. -DGGML_CUDA=ON
+    tools = tuple(a for a in sys.argv[1:] if not a.startswith("-D"))
+    if not tools or not all(t.startswith("llama-") for t in tools):
+        sys.exit("usage: python bench/peers.py llama-server [llama-imatrix ...] [-DCMAKE_FLAG=VALUE ...]")
+    for path in llama_tools(tools, tuple(a for a in sys.argv[1:] if a.startswith("-D"))).values():
+        print(path)

@@ -163,13 +163,52 @@ def test_float_zero_point_is_within_half_a_step(fmt):
     assert q.codes.min() >= qmin and q.codes.max() <= qmax
     assert (q.zeros != q.zeros.round()).any()
     assert ((w - dequantize_int(*q)).abs() <= int_error_bound(q.scales, g)).all()
-    # The grid covers exactly the group's range: its bottom is the minimum rounded down to fp16, its
-    # step the range over the levels (to fp16 rounding), not the wider range an integer zero point needs.
+    # The grid holds the whole group: its bottom at or below the minimum (fp16, rounded down), its top
+    # within half a step of the maximum (the step is rounded to the nearest fp16).
     groups = w.reshape(w.shape[0], -1, g)
-    low = -q.scales.float() * (q.zeros - qmin)
+    step = q.scales.float()
+    low = -step * (q.zeros - qmin)
     assert (low <= groups.amin(-1) + 1e-7).all()
-    ideal = (groups.amax(-1) - low) / (qmax - qmin)
-    assert (q.scales.float() <= torch.maximum(ideal * (1 + 2**-10), torch.tensor(SCALE_MIN))).all()
+    assert (low + (qmax - qmin) * step >= groups.amax(-1) - step / 2).all()
+
+
+@pytest.mark.parametrize("levels", [15, 7])
+def test_least_squares_grid_never_loses_to_the_min_max_grid(levels):
+    """The searched grid's squared error is at most the min-max grid's in every group (the min-max grid
+    is a candidate), strictly less on some Gaussian groups, and it still covers each group."""
+    from edgefinfer.compile.quant.primitives import least_squares_grid
+    w = nasty_matrix().reshape(-1, 32)
+    step, bottom = least_squares_grid(w, levels)
+
+    def sq_error(step, bottom):
+        codes = torch.round((w - bottom[:, None]) / step[:, None]).clamp(0, levels)
+        return (codes * step[:, None] + bottom[:, None] - w).square().sum(-1)
+
+    lo, hi = w.amin(-1), w.amax(-1)
+    searched, min_max = sq_error(step, bottom), sq_error((hi - lo).clamp(min=2.0**-14) / levels, lo)
+    assert (searched <= min_max * (1 + 1e-5) + 1e-12).all()
+    nonzero = min_max > 0
+    assert (searched[nonzero] / min_max[nonzero]).mean() < 0.95  # ~0.91 here: the search does something
+    assert (bottom <= lo + 1e-3 * step).all() and (bottom + levels * step >= hi - 1e-3 * step).all()
+
+
+def test_float_zero_point_keeps_weights_on_a_grid_whose_end_codes_are_unused():
+    """A Q4_K block seldom uses both code 0 and code 15: its weights sit on a grid wider than their range.
+    The search finds that grid (error ~0) where the min-max grid, spread over the range alone, cannot."""
+    g = torch.Generator().manual_seed(3)
+    n = 64
+    d = (torch.rand(n, 1, generator=g) * 0.01 + 1e-3).half().float()
+    m = (-d * 8).half().float()
+    q = torch.randint(2, 12, (n, 32), generator=g).float()  # codes 2..11 of 0..15
+    q[:, 0], q[:, 1] = 2, 11
+    w = d * q + m
+    fmt = WeightFormat("int", 4, 32, False, float_zero=True)
+    searched = dequantize_int(*quantize_int(w, fmt))
+    assert ((searched - w).abs() / d).max() < 1e-2
+    from edgefinfer.compile.quant.primitives import _min_max_grid
+    step, lo, _ = _min_max_grid(w, 15)
+    min_max = torch.round((w - lo) / step).clamp(0, 15) * step + lo
+    assert ((min_max - w).abs() / d).mean() > 0.05  # what the range's grid costs on the same weights
 
 
 def q4_1_grid(n: int = 64, k: int = 256, seed: int = 1) -> torch.Tensor:

@@ -20,13 +20,17 @@ Conventions (shared by every method and every exporter, see docs/QUANTIZATION.md
   an fp16 value too, so that GGUF's Q4_1 (x = d * q + m, fp16 d and m = -d * zero) holds exactly these
   weights: an fp16 d times a 4-bit integer needs up to 15 significant bits, fp16 has 11.
 
-* Float zero point (`WeightFormat.float_zero`, recipes `-fzp`): the grid starts at the group's minimum
-  m, rounded *down* to fp16, with scale (max - m) / (qmax - qmin) rounded up; the zero point in code
-  units, z = qmin - m / d, is a float32 and dequantization is the same `(q - z) * scale`. GGUF's Q4_1
-  stores m = -d * (z - qmin) rounded back to fp16, which recovers the chosen minimum exactly (the
-  float32 round trip is off by far less than half an fp16 step), so llama.cpp decodes d * nibble + m
-  within float32 rounding of these weights. Unlike an integer zero point, zero is not exact; in
-  exchange a weight that already sits on such a grid (a checkpoint that came from Q4_1) is kept.
+* Float zero point (`WeightFormat.float_zero`, recipes `-fzp`): the grid has a float bottom m and step d
+  per group; the zero point in code units, z = qmin - m / d, is a float32 and dequantization is the same
+  `(q - z) * scale`. Up to 4 bits the grid is searched (`least_squares_grid`): among grids of about as
+  many steps as levels across the group's range, the one with the least squared error that still covers
+  the group, as llama.cpp's k-quants choose their scales and minima; 8 bits take the range's grid. m is
+  rounded *down* to fp16, d to the nearest fp16 (bf16). GGUF's Q4_1 stores m = -d * (z - qmin) rounded
+  back to fp16, which recovers the chosen bottom exactly (the float32 round trip is off by far less
+  than half an fp16 step), so llama.cpp decodes d * nibble + m within float32 rounding of these
+  weights. Unlike an integer zero point, zero is not exact; in exchange a weight that already sits on
+  such a grid is kept: a checkpoint from Q4_1, and from Q4_K blocks, whose codes seldom reach both ends
+  (Gemma 3 270M: +4.0% -> +0.6% perplexity on the bible text, bench/results/gemma3.json `fzp_search`).
 
 Every rounding error is therefore at most scale / 2 (plus the fp16 rounding of the scale itself).
 """
@@ -100,12 +104,17 @@ def choose_qparams(w: Tensor, bits: int, symmetric: bool, scale_dtype: str = "fl
     qmin, qmax = qrange(bits, symmetric)
     w = w.float()
     if float_zero:
-        low = round_down_fp16(w.amin(-1))
+        dtype, largest = _SCALE_DTYPES[scale_dtype]
+        if bits <= 4:
+            step, bottom = least_squares_grid(w, qmax - qmin)
+            low = round_down_fp16(bottom)
+        else:  # 8 bits: a step is 1/255 of the range, and the sweep would need ~250 candidates
+            low = round_down_fp16(w.amin(-1))
+            step = (w.amax(-1) - low) / (qmax - qmin)
         # Rounded to nearest, not up: a group already on such a grid keeps its exact step (the top code
         # then lands within 2^-11 * (qmax - qmin) steps of the group maximum, far inside half a step;
         # bfloat16 scales, XNNPACK's, 2^-8 * 15 = 0.06 steps).
-        dtype, largest = _SCALE_DTYPES[scale_dtype]
-        scale = ((w.amax(-1) - low) / (qmax - qmin)).clamp(SCALE_MIN, largest).to(dtype).float()
+        scale = step.clamp(SCALE_MIN, largest).to(dtype).float()
         return scale, qmin - low / scale
     min_neg = w.amin(-1).clamp(max=0.0)  # [...]
     max_pos = w.amax(-1).clamp(min=0.0)
@@ -117,6 +126,71 @@ def choose_qparams(w: Tensor, bits: int, symmetric: bool, scale_dtype: str = "fl
     if bits <= 4:
         scale, zero = exact_offset_scale(scale, min_neg, bits, scale_dtype)
     return scale, zero
+
+
+# Candidate grids of the float-zero-point search, as the number of steps across a group's range:
+# llama.cpp's k-quant sweep, from one step fewer to one more than the levels in tenths
+# (make_qkx2_quants in ggml-quants.c), and every whole count from half the levels up, which finds a grid
+# the weights already sit on when they do not reach its end codes (a Q4_K block seldom uses both 0 and 15).
+def _step_counts(levels: int) -> list[float]:
+    return [levels - 1 + 0.1 * i for i in range(21)] + [float(c) for c in range(levels // 2, levels - 1)]
+
+
+_SEARCH_CHUNK = 1 << 16  # groups per pass of the search: its temporaries stay a few MB on any matrix
+
+
+def least_squares_grid(w: Tensor, levels: int) -> tuple[Tensor, Tensor]:
+    """(step, bottom) [...] of the grid bottom + step * {0, ..., levels} for each group of `w` [..., g],
+    chosen to minimise the group's squared rounding error: for each candidate count of steps across the
+    group's range, codes by rounding, then the step and bottom that fit those codes best (least
+    squares, two normal equations in closed form), kept if that grid still covers the group. The
+    min-max grid is a candidate too, so no group ends worse than under it (before the fp16 rounding of
+    step and bottom). Letting the fit clip a group's extremes changed no perplexity on Gemma 3 270M
+    (bench/results/gemma3.json, `fzp_search`), so the half-step bound of the module docstring holds.
+
+    Groups the min-max grid already holds exactly (a checkpoint from Q4_1: every SmolLM2 matrix) skip
+    the sweep: nothing can beat zero error, and the sweep is most of a build's quantization time."""
+    flat = w.float().reshape(-1, w.shape[-1])  # [n, g]
+    step, bottom, error = _min_max_grid(flat, levels)  # [n, 1] each
+    # "Exact": off by less than a millionth of a step per weight, float32 rounding of d * q + m.
+    todo = (error > flat.shape[-1] * (1e-6 * step) ** 2).squeeze(-1).nonzero().squeeze(-1)  # [m]
+    for start in range(0, todo.numel(), _SEARCH_CHUNK):
+        rows = todo[start: start + _SEARCH_CHUNK]
+        s, b = _least_squares_chunk(flat[rows], levels, step[rows], bottom[rows], error[rows])
+        step[rows], bottom[rows] = s, b
+    return step.reshape(w.shape[:-1]), bottom.reshape(w.shape[:-1])
+
+
+def _min_max_grid(x: Tensor, levels: int) -> tuple[Tensor, Tensor, Tensor]:  # x [n, g] -> 3 x [n, 1]
+    lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+    step = (hi - lo).clamp(min=SCALE_MIN) / levels
+    codes = torch.round((x - lo) / step).clamp(0, levels)
+    return step, lo, (codes * step + lo - x).square().sum(-1, keepdim=True)
+
+
+def _least_squares_chunk(x: Tensor, levels: int, step: Tensor, bottom: Tensor, best: Tensor
+                         ) -> tuple[Tensor, Tensor]:  # x [n, g], the min-max grid's [n, 1] -> [n, 1] x 2
+    g = x.shape[-1]
+    lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+    span = (hi - lo).clamp(min=SCALE_MIN)
+    sum_x = x.sum(-1, keepdim=True)
+    for count in _step_counts(levels):
+        codes = torch.round((x - lo) * (count / span)).clamp(0, levels)  # [n, g]
+        sum_c, sum_cc = codes.sum(-1, keepdim=True), codes.square().sum(-1, keepdim=True)
+        sum_xc = (codes * x).sum(-1, keepdim=True)
+        det = g * sum_cc - sum_c * sum_c  # 0 when every code is the same: no step to fit
+        solvable = det > 0
+        det = torch.where(solvable, det, torch.ones_like(det))
+        s = (g * sum_xc - sum_x * sum_c) / det
+        b = (sum_cc * sum_x - sum_c * sum_xc) / det
+        e = (codes * s + b - x).square().sum(-1, keepdim=True)
+        # The grid must still hold the whole group, to a thousandth of a step (the fit's float error;
+        # the fp16 rounding of the step moves its top more): every weight stays within half a step.
+        slack = 1e-3 * s
+        covers = (b <= lo + slack) & (b + levels * s >= hi - slack)
+        better = solvable & (s > 0) & covers & (e < best)
+        step, bottom, best = torch.where(better, s, step), torch.where(better, b, bottom), torch.where(better, e, best)
+    return step, bottom
 
 
 def exact_offset_scale(scale: Tensor, min_neg: Tensor, bits: int, scale_dtype: str = "float16"
