@@ -5,6 +5,7 @@
     python bench/gemma3.py --targets android,linux-x86_64,gpu-server     # also the .pte (a long lowering)
     python bench/gemma3.py --quick            # import and tokenizer checks only
     python bench/gemma3.py --grids --targets none     # 4-bit GGUF recipes, ours and llama.cpp's, both models
+    python bench/gemma3.py --fzp-search --targets none --merge     # float-zero-point grids, min-max vs searched
 
 Writes bench/results/gemma3.json:
 - `import`: our float import of the GGUF against llama.cpp on the same file, two ways: on llama.cpp's own
@@ -18,6 +19,10 @@ Writes bench/results/gemma3.json:
 - `grids` (--grids): each reference model built for gpu-server with llama.cpp's quantizer (Q4_0, Q4_1,
   Q4_K_M) and ours (GPTQ onto Q4_0's and Q4_1's grids, 8-bit embeddings), perplexity measured by llama.cpp
   on the same test tokens: the second opinion on the defaults, since each model sits on a different grid;
+- `fzp_search` (--fzp-search): the linux-x86_64 default's quantization (int4-g32-fzp, the matrices the
+  GGUF stored above 4 bits at int8) in eager torch, each held-out domain, with the float zero point's grid
+  chosen two ways: the group's range (min-max) and the least-squares search (`least_squares_grid`, the
+  default), which finds the Q4_K sub-block grids these weights sit on;
 - `import.max_abs_err_vs_float64`: our float32 import against the same model in float64 (what float32
   arithmetic alone moves), beside llama.cpp's distance from it.
 The weights come from a Q4_K grid (Q4_K_M: 4-bit super-blocks with 6-bit scales and minima), so every
@@ -135,8 +140,52 @@ def heldout_ppl(logits_fn, tok, tokens: int, window: int) -> dict:
     return out
 
 
+IMATRIX = "llamacpp-q4_k_m-imatrix"  # llama.cpp's own tools, not a build recipe (see check_imatrix)
 GRID_RECIPES = ("llamacpp-q4_0", "int4-gptq-g32-sym-emb8", "llamacpp-q4_1", "int4-gptq-g32-fzp-emb8",
-                "llamacpp-q4_k_m")
+                "llamacpp-q4_k_m", IMATRIX)
+
+
+def check_imatrix(name: str, folder: Path, out: Path, args) -> dict:
+    """Q4_K_M by llama.cpp's own tools with an importance matrix from our calibration text: llama-imatrix on
+    the float model's F32 GGUF over the blocks `build` calibrates GPTQ with (decoded, each block one
+    chunk), then llama-quantize --imatrix. Scored like a build's artefact: llama.cpp on the same test
+    tokens and windows. (llama-cpp-python's llama_model_quantize takes no importance matrix: it is a C++
+    map, so the tools are built from the same pinned sources, bench/peers.py.)"""
+    import subprocess
+
+    from peers import llama_tools
+
+    from edgefinfer.app.build import BuildOptions, _float_perplexity, _test_tokens, evaluate_artefact
+    from edgefinfer.app.quantize_command import default_calibration
+    from edgefinfer.checkpoint import load_model
+    from edgefinfer.compile.gguf_export import export_gguf
+    from edgefinfer.targets import get_target
+    from edgefinfer.tokenizer import Tokenizer
+
+    tools = llama_tools(("llama-imatrix", "llama-quantize"))
+    model, tok = load_model(folder), Tokenizer.from_dir(folder)
+    work = out / f"{name}-imatrix"
+    work.mkdir(parents=True, exist_ok=True)
+    f32, imatrix, quantized = work / "f32.gguf", work / "imatrix.gguf", work / "model.gguf"
+    export_gguf(model, tok, f32, "f32")
+    calib = default_calibration(tok)  # [blocks, tokens]
+    (work / "calib.txt").write_text("".join(tok.decode(block.tolist()) for block in calib))
+    threads = str(args.threads)
+    t = time.perf_counter()
+    subprocess.run([str(tools["llama-imatrix"]), "-m", str(f32), "-f", str(work / "calib.txt"),
+                    "-c", str(calib.shape[1]), "-o", str(imatrix), "-t", threads, "--no-ppl"],
+                   check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run([str(tools["llama-quantize"]), "--imatrix", str(imatrix), str(f32), str(quantized), "Q4_K_M",
+                    threads], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    build_s = round(time.perf_counter() - t, 1)
+    opts = BuildOptions(target="gpu-server", model=folder, eval_tokens=args.tokens, eval_window=args.window,
+                        threads=args.threads)
+    test_ids = _test_tokens(tok, args.tokens)
+    float_ppl, _ = _float_perplexity(model, test_ids, args.window, tok.scoring_prefix)
+    figures = evaluate_artefact(get_target("gpu-server"), quantized, test_ids, float_ppl, opts, tok.scoring_prefix)
+    return {"ppl": figures["ppl"], "float_ppl": float_ppl, "ppl_delta_pct": figures["ppl_delta_pct"],
+            "size_bytes": quantized.stat().st_size, "build_s": build_s,
+            "calibration": f"{calib.shape[0]} chunks of {calib.shape[1]} tokens: build's GPTQ calibration text"}
 
 
 def check_grids(out: Path, args, record: Callable[[dict], Any]) -> None:
@@ -151,7 +200,13 @@ def check_grids(out: Path, args, record: Callable[[dict], Any]) -> None:
     for name in ("smollm2-135m", "gemma3-270m"):
         folder = reference.pull(name)
         default = default_recipe(get_target("gpu-server"), folder)
-        for recipe in GRID_RECIPES:
+        for recipe in [r for r in GRID_RECIPES if r in args.grid_recipes.split(",")]:
+            if recipe == IMATRIX:
+                row = {"model": name, "source_grid": source_gguf_type(folder), "recipe": recipe, "default": False,
+                       **check_imatrix(name, folder, out, args)}
+                print(json.dumps(row), flush=True)
+                record(row)
+                continue
             t = time.perf_counter()
             bundle = build(BuildOptions(target="gpu-server", model=folder, recipe=recipe, out=out / f"{name}-{recipe}",
                                         eval_tokens=args.tokens, eval_window=args.window, threads=args.threads))
@@ -165,6 +220,43 @@ def check_grids(out: Path, args, record: Callable[[dict], Any]) -> None:
             print(json.dumps(row), flush=True)
             record(row)
             shutil.rmtree(bundle)
+
+
+def check_fzp_search(model, folder: Path, tok, float_ppl: dict, args) -> dict:
+    """Eager perplexity per held-out domain of the linux-x86_64 default recipe with the float zero point's
+    grid chosen by the group's range and by the least-squares search (what quantization alone does)."""
+    from edgefinfer.app.build import source_precision
+    from edgefinfer.compile.quant import primitives
+    from edgefinfer.compile.quant.apply import quantize_model
+    from edgefinfer.recipe import Recipe
+    from edgefinfer.targets import get_target
+
+    recipe = Recipe.parse(get_target("linux-x86_64").recipe)
+    parsed = recipe.quant.with_overrides(source_precision(folder, recipe))
+    searched = primitives.least_squares_grid
+
+    def min_max(w, levels):  # the grid before the search: bottom at the group's minimum, range / levels
+        step, bottom, _ = primitives._min_max_grid(w.float().reshape(-1, w.shape[-1]), levels)
+        return step.reshape(w.shape[:-1]), bottom.reshape(w.shape[:-1])
+
+    rows = {}
+    for name, chooser in (("min_max", min_max), ("least_squares", searched)):
+        primitives.least_squares_grid = chooser
+        try:
+            quantized = copy.deepcopy(model)
+            t = time.process_time()
+            quantize_model(quantized, parsed)
+            cpu_s = round(time.process_time() - t, 1)
+        finally:
+            primitives.least_squares_grid = searched
+        with torch.no_grad():
+            ppl = heldout_ppl(lambda t: quantized(t), tok, args.tokens, args.window)
+        rows[name] = {"ppl": ppl, "ppl_delta_pct": {d: round(100 * (ppl[d] / float_ppl[d] - 1), 2) for d in ppl},
+                      "quantize_cpu_s": cpu_s}
+        print(name, json.dumps(rows[name]), flush=True)
+        del quantized
+    return {"recipe": recipe.name, "matrices_kept_at_int8": len(source_precision(folder, recipe)),
+            "measured_by": "eager torch (float32 activations)", **rows}
 
 
 def check_speed(folder: Path, gguf: Path, bundles: list[dict], tok, args) -> dict:
@@ -254,6 +346,10 @@ def main() -> None:
     ap.add_argument("--bundles", help="a folder of bundles built before (BUNDLES/<target>): measure them instead")
     ap.add_argument("--speed", action="store_true", help="also decode/prefill against the peers (an idle machine)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--grid-recipes", default=",".join(GRID_RECIPES), help="with --grids: these recipes only")
+    ap.add_argument("--fzp-search", action="store_true", help="also the float zero point's grid, min-max vs searched")
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the results file's other sections and rows: replace only what this run measures")
     args = ap.parse_args()
     import tempfile
 
@@ -271,6 +367,9 @@ def main() -> None:
               "model": {"name": "gemma3-270m", "config": model.config.to_hf(), "gguf": str(gguf.name),
                         "weights_grid": "Q4_K_M (llama.cpp k-quants), dequantized to float32 on import"}}
     out = Path(__file__).parent / "results" / f"{args.out}{'-quick' if args.quick else ''}.json"
+    kept = json.loads(out.read_text()) if args.merge and out.is_file() else {}
+    if kept:  # this run's sections replace the file's; a bundle row replaces the same target's row
+        result = {**kept, **result, "earlier_commands": kept.get("earlier_commands", []) + [kept["command"]]}
 
     def save() -> None:  # after every section: a long run stopped early keeps what it measured
         result["machine"]["load_avg_at_end"] = [round(x, 2) for x in os.getloadavg()]
@@ -288,10 +387,11 @@ def main() -> None:
                 float_ppl = heldout_ppl(lambda t: model(t), tok, args.tokens, args.window)
             result["float_ppl"] = float_ppl
             print("float", float_ppl, flush=True)
-            result["bundles"] = []
+            targets = [t for t in args.targets.split(",") if t != "none"]
+            result["bundles"] = [r for r in result.get("bundles", []) if r["target"] not in targets]
             from edgefinfer.errors import UserError
 
-            for target in [t for t in args.targets.split(",") if t != "none"]:
+            for target in targets:
                 try:
                     row = check_bundle(target, folder, Path(tmp), float_ppl, args)
                 except UserError as e:  # a refusal is a result too (the build says why in one line)
@@ -302,9 +402,18 @@ def main() -> None:
             if args.speed:
                 result["speed"] = check_speed(folder, gguf, result["bundles"], tok, args)
                 save()
-            if args.grids:
-                result["grids"] = []
-                check_grids(Path(tmp), args, lambda row: (result["grids"].append(row), save()))
+            if args.fzp_search:
+                result["fzp_search"] = check_fzp_search(model, folder, tok, float_ppl, args)
+                save()
+            if args.grids:  # a row replaces the same model and recipe's row
+                grids = result["grids"] = [r for r in result.get("grids", [])
+                                           if r["recipe"] not in args.grid_recipes.split(",")]
+
+                def record(row: dict) -> None:
+                    grids.append(row)
+                    grids.sort(key=lambda r: (r["model"] != "smollm2-135m", GRID_RECIPES.index(r["recipe"])))
+                    save()
+                check_grids(Path(tmp), args, record)
     save()
     print(f"wrote {out}")
 
