@@ -197,7 +197,7 @@ def check_grids(out: Path, args, record: Callable[[dict], Any]) -> None:
     from edgefinfer.gguf_import import source_gguf_type
     from edgefinfer.targets import get_target
 
-    for name in ("smollm2-135m", "gemma3-270m"):
+    for name in args.grid_models.split(","):
         folder = reference.pull(name)
         default = default_recipe(get_target("gpu-server"), folder)
         for recipe in [r for r in GRID_RECIPES if r in args.grid_recipes.split(",")]:
@@ -346,7 +346,9 @@ def main() -> None:
     ap.add_argument("--bundles", help="a folder of bundles built before (BUNDLES/<target>): measure them instead")
     ap.add_argument("--speed", action="store_true", help="also decode/prefill against the peers (an idle machine)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--no-import", action="store_true", help="with --merge: keep the file's import and tokenizer")
     ap.add_argument("--grid-recipes", default=",".join(GRID_RECIPES), help="with --grids: these recipes only")
+    ap.add_argument("--grid-models", default="smollm2-135m,gemma3-270m", help="with --grids: these models only")
     ap.add_argument("--fzp-search", action="store_true", help="also the float zero point's grid, min-max vs searched")
     ap.add_argument("--merge", action="store_true",
                     help="keep the results file's other sections and rows: replace only what this run measures")
@@ -377,17 +379,19 @@ def main() -> None:
         out.write_text(json.dumps(result, indent=1) + "\n")
 
     with tempfile.TemporaryDirectory() as tmp:
-        result["import"] = check_import(model, tok, gguf, Path(tmp))
-        print(json.dumps(result["import"], indent=1), flush=True)
-        result["tokenizer"] = check_tokenizer(tok, gguf)
-        print(json.dumps(result["tokenizer"], indent=1), flush=True)
-        save()
+        if not (args.merge and args.no_import):
+            result["import"] = check_import(model, tok, gguf, Path(tmp))
+            print(json.dumps(result["import"], indent=1), flush=True)
+            result["tokenizer"] = check_tokenizer(tok, gguf)
+            print(json.dumps(result["tokenizer"], indent=1), flush=True)
+            save()
         if not args.quick:
-            with torch.no_grad():
-                float_ppl = heldout_ppl(lambda t: model(t), tok, args.tokens, args.window)
-            result["float_ppl"] = float_ppl
-            print("float", float_ppl, flush=True)
             targets = [t for t in args.targets.split(",") if t != "none"]
+            if targets or args.fzp_search or "float_ppl" not in result:
+                with torch.no_grad():
+                    result["float_ppl"] = heldout_ppl(lambda t: model(t), tok, args.tokens, args.window)
+            float_ppl = result["float_ppl"]
+            print("float", float_ppl, flush=True)
             result["bundles"] = [r for r in result.get("bundles", []) if r["target"] not in targets]
             from edgefinfer.errors import UserError
 
@@ -406,8 +410,8 @@ def main() -> None:
                 result["fzp_search"] = check_fzp_search(model, folder, tok, float_ppl, args)
                 save()
             if args.grids:  # a row replaces the same model and recipe's row
-                grids = result["grids"] = [r for r in result.get("grids", [])
-                                           if r["recipe"] not in args.grid_recipes.split(",")]
+                grids = result["grids"] = [r for r in result.get("grids", []) if r["recipe"] not in
+                                           args.grid_recipes.split(",") or r["model"] not in args.grid_models.split(",")]
 
                 def record(row: dict) -> None:
                     grids.append(row)
