@@ -45,15 +45,15 @@ from typing import Any, Callable, Iterator, Literal
 import torch
 from torch import nn
 
-from edgefinfer.artefact import ArtefactSpec, KVSpec, Layout, write_spec
+from edgefinfer.bundle.artefact import ArtefactSpec, KVSpec, Layout, write_spec
 from edgefinfer.compile.et_attention import EtRingCache, EtStaticCache, ExportableLM, swap_attention
-from edgefinfer.atomic import write_bytes
+from edgefinfer.files.atomic import write_bytes
 from edgefinfer.compile.artefact_cache import ArtefactCache, content_key
 from edgefinfer.compile.et_quant import (QUANTIZED_SCHEMES, Scheme, check_xnnpack_layout, is_quantized,
                                          quantize_for_xnnpack, scheme_of)
 from edgefinfer.compile.vendor_sdks import require_sdk
 from edgefinfer.errors import UserError
-from edgefinfer.model import Transformer
+from edgefinfer.model.transformer import Transformer
 
 Delegate = Literal["xnnpack", "coreml", "neuropilot"]
 Progress = Callable[[str], None]
@@ -173,7 +173,7 @@ def export_key(model: Transformer, opts: PteOptions) -> str:
 
 
 def artefact_spec(model: Transformer, opts: PteOptions) -> ArtefactSpec:
-    """The program's description, stored as its constant methods (`edgefinfer.artefact` writes them:
+    """The program's description, stored as its constant methods (`edgefinfer.bundle.artefact` writes them:
     ExecuTorch's runner keys and ours) and in the manifest."""
     cfg = model.config
     return ArtefactSpec("pte", opts.kv, recipe_name=opts.recipe_name, vocab_size=cfg.vocab_size,
@@ -388,7 +388,7 @@ def _exportable(model: Transformer, opts: PteOptions) -> tuple[nn.Module, tuple,
                             EtRingCache(cfg, opts.window, opts.num_sinks, opts.lookahead))
         model = swap_attention(model)
     else:
-        from edgefinfer.cache import StaticCache
+        from edgefinfer.model.kv_cache import StaticCache
 
         cache = StaticCache(cfg, 1, opts.max_seq_len, trim=False)  # the window needs custom ops
     module = ExportableLM(model, cache, opts.all_logits).eval()
@@ -434,7 +434,7 @@ class _LinearMeanRMSNorm(nn.Module):
 def _delegable_norms(model: nn.Module) -> None:
     """Swap every RMSNorm (the block norms, the final norm, per-head q/k norms) for `_LinearMeanRMSNorm`.
     Mutates `model`: a private copy (`_prepare_weights`)."""
-    from edgefinfer.model import RMSNorm
+    from edgefinfer.model.transformer import RMSNorm
 
     for name, module in list(model.named_modules()):
         if type(module) is RMSNorm:
@@ -464,7 +464,7 @@ def _finite_mask(enabled: bool, value: float = -100.0) -> Iterator[None]:
     if not enabled:
         yield
         return
-    import edgefinfer.model as model_module
+    import edgefinfer.model.transformer as model_module
 
     boolean = model_module.attention_mask
     model_module.attention_mask = lambda *a, **kw: torch.where(boolean(*a, **kw), 0.0, value)

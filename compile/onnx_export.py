@@ -56,17 +56,17 @@ import onnx_ir as ir
 import torch
 from torch import nn
 
-from edgefinfer.artefact import ArtefactSpec, KVSpec, Layout, write_spec
-from edgefinfer.checkpoint import TOKENIZER_FILES
+from edgefinfer.bundle.artefact import ArtefactSpec, KVSpec, Layout, write_spec
+from edgefinfer.model.checkpoint import TOKENIZER_FILES
 from edgefinfer.compile.artefact_cache import cached_export
 from edgefinfer.compile.onnx_graph import MS_DOMAIN, GraphBuilder, ir_dtype, save_model
 from edgefinfer.compile.onnx_weights import (EmbeddingSpec, FloatEmbedding, FloatLinear, LinearSpec, NBitsLinear,
                                              QuantTable, concat_linears, embedding_spec, linear_spec, shares_codes,
                                              unpacked_zero_points)
 from edgefinfer.compile.quant.modules import QUANT_MODULES, QuantLinear
-from edgefinfer.config import ModelConfig
+from edgefinfer.model.config import ModelConfig
 from edgefinfer.errors import UserError
-from edgefinfer.model import Transformer
+from edgefinfer.model.transformer import Transformer
 
 Weights = Literal["fp32", "fp16", "int8", "int4"]
 Stream = Any  # the residual stream as a DecoderForm carries it

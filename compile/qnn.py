@@ -34,15 +34,15 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from edgefinfer.artefact import ONNX_GRAPHS, read_spec
+from edgefinfer.bundle.artefact import ONNX_GRAPHS, read_spec
 from edgefinfer.compile.artefact_cache import cached_export
 from edgefinfer.compile.onnx_graph import read_metadata
 from edgefinfer.compile.onnx_static import export_static_decode
-from edgefinfer import ort_ep
+from edgefinfer.libraries import ort_ep
 from edgefinfer.errors import UserError
-from edgefinfer.model import Transformer
-from edgefinfer.ort_ep import qnn_context_session, require_qnn  # noqa: F401 (re-exported)
-from edgefinfer.ort_ep import qnn_session_options as _qnn_session_options
+from edgefinfer.model.transformer import Transformer
+from edgefinfer.libraries.ort_ep import qnn_context_session, require_qnn  # noqa: F401 (re-exported)
+from edgefinfer.libraries.ort_ep import qnn_session_options as _qnn_session_options
 
 # (float, QDQ, context model) files of the token generator and of the prompt processor.
 FLOAT_FILE, QDQ_FILE, CTX_FILE = "model_float.onnx", "model_qdq.onnx", "model_ctx.onnx"
@@ -82,7 +82,7 @@ def get_soc(name: str) -> Soc:
     return SOCS[key]
 
 
-# ---- the plugin EP (the session helpers are in edgefinfer.ort_ep: a phone opens the context model too) ---
+# ---- the plugin EP (the session helpers are in edgefinfer.libraries.ort_ep: a phone opens the context model too) ---
 
 def qnn_session_options(soc: Soc, *, context_out: Path | None = None):
     return _qnn_session_options(soc.htp_arch, soc.soc_model, context_out)

@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from edgefinfer.errors import UserError
-from edgefinfer.sampling import SamplingParams
+from edgefinfer.decoding.sampling import SamplingParams
 from edgefinfer.server_gpu import openai_format as fmt
 from edgefinfer.server_gpu.engine import ServingEngine
 from edgefinfer.server_gpu.metrics import CONTENT_TYPE
@@ -35,8 +35,8 @@ from edgefinfer.server_gpu.protocol import (APIError, ChatCompletionRequest, Cha
                                             CompletionRequest, CompletionResponse, ErrorResponse, ModelList,
                                             error_body)
 from edgefinfer.server_gpu.request import GenerationParams, RequestOutput
-from edgefinfer.structured import Constraint
-from edgefinfer import tool_calls
+from edgefinfer.decoding.structured import Constraint
+from edgefinfer.decoding import tool_calls
 
 log = logging.getLogger(__name__)
 

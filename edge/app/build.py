@@ -2,7 +2,7 @@
 
 Each step prints its progress and duration; the build ends with a table (artefact, size, perplexity
 vs float, host decode tokens/s). The bundle is written to a temporary folder and renamed into place
-when complete (`edgefinfer.bundle.BundleWriter`), so Ctrl-C or a kill never leaves a half bundle.
+when complete (`edgefinfer.bundle.manifest.BundleWriter`), so Ctrl-C or a kill never leaves a half bundle.
 
 Perplexity is measured on the same test tokens for the float model (eager torch) and for the
 artefact run by its own runtime (ExecuTorch, ONNX Runtime, llama.cpp), so the delta is the cost of
@@ -30,11 +30,11 @@ from typing import Any, Callable
 
 from edgefinfer.app.bundle_readme import bundle_readme
 from edgefinfer.app.model_arg import DEFAULT_MODEL, resolve_model
-from edgefinfer.artefact import KVSpec, Layout
-from edgefinfer.bundle import BundleWriter
+from edgefinfer.bundle.artefact import KVSpec, Layout
+from edgefinfer.bundle.manifest import BundleWriter
 from edgefinfer.errors import UserError
-from edgefinfer.recipe import LLAMACPP_PREFIX, Recipe
-from edgefinfer.targets import Target, get_target
+from edgefinfer.bundle.recipe import LLAMACPP_PREFIX, Recipe
+from edgefinfer.bundle.targets import Target, get_target
 
 # Candidate recipes per artefact format for --quality-budget, smallest first; at one size the cheap
 # round-to-nearest one before the data-aware one (GPTQ: about a minute on the reference model).
@@ -96,7 +96,7 @@ def build(opts: BuildOptions) -> Path:
     given = Recipe.parse(opts.recipe) if opts.recipe else None  # and a recipe no exporter knows
     if opts.draft is not None and not Path(opts.draft).is_dir():
         raise UserError(f"draft model folder {opts.draft} does not exist")
-    from edgefinfer.tokenizer import Tokenizer
+    from edgefinfer.tokenization.tokenizer import Tokenizer
 
     out = Path(opts.out) if opts.out else default_out(target.name)
     _remove_stale_temporaries(out)
@@ -197,7 +197,7 @@ def build(opts: BuildOptions) -> Path:
 
 def _load(folder: Path) -> tuple[Any, Recipe | None]:
     """(model, its recipe) for a quantized checkpoint, (model, None) for a float one."""
-    from edgefinfer.checkpoint import load_config, load_model
+    from edgefinfer.model.checkpoint import load_config, load_model
 
     if "quantization_config" not in load_config(folder).extra:
         return load_model(folder), None
@@ -244,7 +244,7 @@ def _remove_stale_temporaries(out: Path) -> None:
 def _test_tokens(tokenizer, n: int) -> list[int]:
     if n <= 0:
         return []
-    from edgefinfer.data import load_text
+    from edgefinfer.data.corpora import load_text
 
     return tokenizer.encode(load_text("test")[: n * 8])[:n]
 
@@ -253,7 +253,7 @@ def _perplexity_of(logits_fn, ids: list[int], window: int, prefix: list[int] = (
     """Disjoint windows: every window starts from an empty cache, as a phone's prompt would."""
     import torch
 
-    from edgefinfer.evaluate import perplexity
+    from edgefinfer.data.evaluate import perplexity
 
     return perplexity(lambda t: torch.as_tensor(logits_fn(t)), ids, window=window, stride=window, prefix=prefix).ppl
 
@@ -264,7 +264,7 @@ def default_recipe(target: Target, folder: Path) -> str:
     while another 4-bit grid adds a second rounding (bench/results/gemma3.json, `grids`: Gemma 3 270M,
     from Q4_K_M, and SmolLM2-135M, from Q4_1, each built both ways)."""
     from edgefinfer.compile.gguf_export import LLAMA_FTYPES
-    from edgefinfer.gguf_import import source_gguf_type
+    from edgefinfer.model.gguf_import import source_gguf_type
 
     grid = source_gguf_type(folder) if target.format == "gguf" else None
     return f"llamacpp-{grid}" if grid in LLAMA_FTYPES else target.recipe
@@ -275,8 +275,9 @@ def _float_perplexity(model, test_ids: list[int], window: int, prefix: list[int]
     tokens by the same code before (a rebuild), else measured and stored."""
     if not test_ids:
         return None, False
-    from edgefinfer import cache, config, evaluate
-    from edgefinfer import model as model_module
+    from edgefinfer.model import kv_cache as cache, config
+    from edgefinfer.data import evaluate
+    from edgefinfer.model import transformer as model_module
     from edgefinfer.compile.artefact_cache import cached_figures
 
     options = {"test_ids": test_ids, "window": window, "prefix": list(prefix)}
@@ -293,7 +294,7 @@ def source_precision(folder: Path, recipe: Recipe) -> dict[str, Any]:
     is what both the XNNPACK and the MatMulNBits exports take beside 4-bit layers. Empty for recipes
     outside our integer grammar and for models not converted from a GGUF."""
     from edgefinfer.compile.quant.recipe import WeightFormat
-    from edgefinfer.gguf_import import source_tensor_bits
+    from edgefinfer.model.gguf_import import source_tensor_bits
 
     bits = source_tensor_bits(folder)
     if not bits or not recipe.quantized_by_us:
@@ -381,7 +382,7 @@ def compile_artefact(target: Target, model, tokenizer, recipe: Recipe, cache: KV
         options = (dict(kv=cache.layout, window=cache.window, num_sinks=cache.sinks) if cache.streams else
                    dict(kv=cache.layout, max_seq_len=opts.max_seq_len))
         if target.delegate == "neuropilot":  # its static quantizer observes calibration text
-            from edgefinfer.data import load_text
+            from edgefinfer.data.corpora import load_text
 
             options["calibration"] = [tokenizer.encode(load_text("calib")[:8000])[:256]]
         meta = export_pte(model, folder / "model.pte", recipe=et_recipe, backend=target.delegate or "xnnpack",
@@ -396,7 +397,7 @@ def compile_artefact(target: Target, model, tokenizer, recipe: Recipe, cache: KV
         return files, meta
     if target.format == "qnn-context":
         from edgefinfer.compile.qnn import build_qnn
-        from edgefinfer.data import load_text
+        from edgefinfer.data.corpora import load_text
         from edgefinfer.runtime.backends.ort import attention_sink, recorded_feeds
 
         # Activation ranges from 4 prompt-processor calls (64 tokens each) over calibration text.
@@ -463,7 +464,7 @@ def evaluate_artefact(target: Target, path: Path, test_ids: list[int], float_ppl
 
     ppl = _perplexity_of(logits_fn, test_ids, min(opts.eval_window, backend.max_seq_len), prefix)
     # Speed through the runtime's own token loop: 64 prompt tokens, then 33 greedy tokens (no stop ids).
-    from edgefinfer.generation import GenerationStats
+    from edgefinfer.decoding.generation import GenerationStats
     from edgefinfer.runtime.decode import generate_tokens
 
     stats = GenerationStats()
@@ -560,7 +561,7 @@ def _llamacpp_weights(model, tokenizer, recipe: Recipe):
     import tempfile
 
     from edgefinfer.compile.gguf_export import export_gguf
-    from edgefinfer.gguf_import import import_gguf
+    from edgefinfer.model.gguf_import import import_gguf
 
     with tempfile.TemporaryDirectory() as tmp:
         export_gguf(model, tokenizer, Path(tmp) / "m.gguf", recipe.variant)
@@ -593,8 +594,8 @@ def budget_error(target: Target, budget: float, tried: list[Candidate]) -> UserE
 
 
 def _add_draft(writer: BundleWriter, target: Target, draft: Path, tokenizer, kv: KVSpec, opts: BuildOptions) -> None:
-    from edgefinfer.checkpoint import load_model
-    from edgefinfer.tokenizer import Tokenizer
+    from edgefinfer.model.checkpoint import load_model
+    from edgefinfer.tokenization.tokenizer import Tokenizer
 
     if Tokenizer.from_dir(draft).backend.to_str() != tokenizer.backend.to_str():
         raise UserError(f"draft model {draft} has a different tokenizer than the target; it cannot draft for it")

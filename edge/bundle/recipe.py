@@ -3,7 +3,7 @@ enters (the CLI, the Python API, a manifest) and passed on as this value.
 
     float      fp32 | fp16              the exporter keeps float weights (fp16: Core ML's compute
                                         precision, a GGUF's F16 matrices)
-    quant      the quantization grammar of `edgefinfer.quant_recipe` (int4-g32, 8da4w-gptq-g32-fzp,
+    quant      the quantization grammar of `edgefinfer.bundle.quant_recipe` (int4-g32, 8da4w-gptq-g32-fzp,
                8da8w, fp8, ...): our quantizers make it, `quant` holds its typed description
     qdq        qdq-SCHEME (qdq-a16w8, ...)   static activation + weight quantization by the exporter
                                         itself (QNN's QDQ graphs, MediaTek's NeuropilotQuantizer)
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from edgefinfer.errors import UserError
-from edgefinfer.quant_recipe import QuantRecipe, parse_recipe
+from edgefinfer.bundle.quant_recipe import QuantRecipe, parse_recipe
 
 Kind = Literal["float", "quant", "qdq", "llamacpp"]
 FLOAT_NAMES: tuple[str, ...] = ("fp32", "fp16")

@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Literal, Mapping
 
-from edgefinfer.config import normalize_eos_ids
+from edgefinfer.model.config import normalize_eos_ids
 from edgefinfer.errors import UserError
-from edgefinfer.quant_recipe import QuantRecipe
-from edgefinfer.recipe import quant_recipe_of
+from edgefinfer.bundle.quant_recipe import QuantRecipe
+from edgefinfer.bundle.recipe import quant_recipe_of
 
 Carrier = Literal["onnx", "pte", "manifest"]
 
