@@ -39,6 +39,7 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, Callable, Iterator, Literal
 
@@ -58,9 +59,35 @@ from edgefinfer.model.transformer import Transformer
 Delegate = Literal["xnnpack", "coreml", "neuropilot"]
 Progress = Callable[[str], None]
 
-# NeuroPilot recipes: static quantization by ExecuTorch's NeuropilotQuantizer (its `Precision` names).
-NEUROPILOT_RECIPES = {"qdq-a16w8": "A16W8", "qdq-a8w8": "A8W8", "qdq-a16w4": "A16W4", "qdq-a8w4": "A8W4",
-                      "qdq-a16w16": "A16W16"}
+
+
+class NeuropilotRecipe(StrEnum):
+    """NeuroPilot recipes: static activation + weight quantization by ExecuTorch's NeuropilotQuantizer,
+    calibrated on text. The value is the recipe as the user names it; the member's name is the
+    quantizer's `Precision` (A16W8: uint16 activations, int8 weights). A StrEnum: written (manifest,
+    cache key) as its value."""
+
+    A16W8 = "qdq-a16w8"
+    A8W8 = "qdq-a8w8"
+    A16W4 = "qdq-a16w4"
+    A8W4 = "qdq-a8w4"
+    A16W16 = "qdq-a16w16"
+
+    @classmethod
+    def parse(cls, text: "str | NeuropilotRecipe") -> "NeuropilotRecipe":
+        """`text` as a NeuroPilot recipe (where a caller's string enters); a one-line UserError for another."""
+        try:
+            return cls(text)
+        except ValueError:
+            raise UserError(f"recipe {text!r} is not a NeuroPilot recipe: use one of {', '.join(cls)}") from None
+
+    @property
+    def precision(self) -> str:
+        """The name of ExecuTorch's `executorch.backends.mediatek.Precision` member."""
+        return self.name
+
+
+NEUROPILOT_RECIPES: tuple[NeuropilotRecipe, ...] = tuple(NeuropilotRecipe)
 NEUROPILOT_PLATFORMS = ("mt6989", "mt6991", "mt6993")  # what ExecuTorch 1.5.1's NeuropilotBackend accepts
 # MediaTek's own LLM export passes these to its Neuron compiler (gno: graph optimisations).
 NEUROPILOT_COMPILE_OPTIONS = (("gno", b"LTS"), ("gno-exp", b""), ("gno-non-4d-tiling", b""))
@@ -75,7 +102,8 @@ RUNTIME_KERNEL_MODULES = ("executorch.kernels.quantized", "executorch.extension.
 
 # ---- public API ----------------------------------------------------------------------------------------
 
-def export_pte(model: Transformer, out_path: str | Path, *, recipe: Scheme | str = Scheme.FP32, group_size: int = 32,
+def export_pte(model: Transformer, out_path: str | Path, *, recipe: Scheme | NeuropilotRecipe | str = Scheme.FP32,
+               group_size: int = 32,
                embedding_4bit: bool = False, kv: Layout = Layout.STATIC, max_seq_len: int | None = None,
                window: int | None = None, num_sinks: int = 0, lookahead: int | None = None,
                backend: Delegate = "xnnpack", custom_ops: bool | None = None, all_logits: bool = True,
@@ -205,7 +233,7 @@ class PteOptions:
     """`export_pte`'s options as `resolve_options` checked and normalised them: what every stage
     reads, and (all of it: each field may change the program's bytes) the cache key's input."""
 
-    scheme: Scheme | str  # ExecuTorch's scheme, or a NeuroPilot recipe (qdq-a16w8, ...)
+    scheme: Scheme | NeuropilotRecipe  # ExecuTorch's scheme (XNNPACK, Core ML), or NeuroPilot's recipe
     recipe_name: str  # as the manifest records it (8da4w-g32-emb4, "8da4w (pre-quantized)", qdq-a16w8)
     group_size: int | None
     embedding_4bit: bool
@@ -232,12 +260,12 @@ class PteOptions:
                       lookahead=self.lookahead, max_chunk=self.max_chunk)
 
 
-def resolve_options(model: Transformer, *, recipe: Scheme | str = Scheme.FP32, group_size: int = 32, embedding_4bit: bool = False,
-                    kv: Layout | str = Layout.STATIC, max_seq_len: int | None = None, window: int | None = None,
-                    num_sinks: int = 0, lookahead: int | None = None, backend: str = "xnnpack",
-                    custom_ops: bool | None = None, all_logits: bool = True, bos_id: int | None = None,
-                    eos_ids: list[int] | None = None, platform: str = "mt6989",
-                    calibration: list[list[int]] | None = None) -> PteOptions:
+def resolve_options(model: Transformer, *, recipe: Scheme | NeuropilotRecipe | str = Scheme.FP32,
+                    group_size: int = 32, embedding_4bit: bool = False, kv: Layout | str = Layout.STATIC,
+                    max_seq_len: int | None = None, window: int | None = None, num_sinks: int = 0,
+                    lookahead: int | None = None, backend: str = "xnnpack", custom_ops: bool | None = None,
+                    all_logits: bool = True, bos_id: int | None = None, eos_ids: list[int] | None = None,
+                    platform: str = "mt6989", calibration: list[list[int]] | None = None) -> PteOptions:
     """Check `export_pte`'s options up front (before minutes of lowering) and normalise them, once.
     Raises UserError with a one-line reason."""
     if backend not in ("xnnpack", "coreml", "neuropilot"):
@@ -320,15 +348,14 @@ def _special_ids(model: Transformer, bos_id: int | None, eos_ids: list[int] | No
     return dict(bos_id=-1 if bos is None else int(bos), eos_ids=tuple(int(e) for e in eos))
 
 
-def _neuropilot_options(model: Transformer, recipe: str, layout: Layout, max_seq_len: int | None, window: int | None,
-                        num_sinks: int, lookahead: int | None, custom_ops: bool | None, embedding_4bit: bool,
-                        all_logits: bool, bos_id: int | None, eos_ids: list[int] | None, platform: str,
-                        calibration: list[list[int]] | None) -> PteOptions:
+def _neuropilot_options(model: Transformer, recipe: NeuropilotRecipe | Scheme | str, layout: Layout,
+                        max_seq_len: int | None, window: int | None, num_sinks: int, lookahead: int | None,
+                        custom_ops: bool | None, embedding_4bit: bool, all_logits: bool, bos_id: int | None,
+                        eos_ids: list[int] | None, platform: str, calibration: list[list[int]] | None) -> PteOptions:
     """MediaTek NeuroPilot: a float model, quantized statically by NeuropilotQuantizer; a static cache and
     one token per call (the Neuron compiler takes fixed shapes; ExecuTorch's runner then prefills
     token by token), plain-op attention (the delegate cannot take ExecuTorch's custom ops)."""
-    if recipe not in NEUROPILOT_RECIPES:
-        raise UserError(f"recipe {recipe!r} is not a NeuroPilot recipe: use one of {', '.join(NEUROPILOT_RECIPES)}")
+    recipe = NeuropilotRecipe.parse(recipe)
     if platform not in NEUROPILOT_PLATFORMS:
         raise UserError(f"unknown MediaTek platform {platform!r}: use one of {', '.join(NEUROPILOT_PLATFORMS)}")
     if layout is not Layout.STATIC or window is not None or num_sinks or lookahead is not None:
@@ -344,7 +371,7 @@ def _neuropilot_options(model: Transformer, recipe: str, layout: Layout, max_seq
     if max_seq_len < 2:
         raise UserError(f"max_seq_len must be at least 2, got {max_seq_len}")
     streams = tuple(tuple(int(t) for t in s) for s in calibration) if calibration else None
-    return PteOptions(scheme=recipe, recipe_name=recipe, group_size=None, embedding_4bit=False, prequantized=False,
+    return PteOptions(scheme=recipe, recipe_name=str(recipe), group_size=None, embedding_4bit=False, prequantized=False,
                       layout=Layout.STATIC, max_seq_len=max_seq_len, max_chunk=1, window=None, num_sinks=0,
                       lookahead=None, delegate="neuropilot", custom_ops=False, all_logits=all_logits,
                       **_special_ids(model, bos_id, eos_ids), platform=platform, calibration=streams)
@@ -495,7 +522,7 @@ def _neuropilot_quantize(exported, example: tuple, opts: PteOptions, vocab_size:
             return model
 
     quantizer = FloatOnlyQuantizer()
-    quantizer.setup_precision(getattr(Precision, NEUROPILOT_RECIPES[opts.scheme]))
+    quantizer.setup_precision(getattr(Precision, opts.scheme.precision))
     prepared = prepare_pt2e(exported.module(), quantizer)
     streams = opts.calibration or [np.random.default_rng(0).integers(0, vocab_size, 64).tolist()]
     with torch.no_grad():

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -71,7 +72,30 @@ SOCS: dict[str, Soc] = {s.name: s for s in (
     Soc("sm8735", 85, 79, "Snapdragon 8s Gen 4"),
     Soc("sm8850", 87, 81, "Snapdragon 8 Elite Gen 5"),
 )}
-QUANT_SCHEMES = ("a16w8", "a8w8")
+
+
+class QnnScheme(StrEnum):
+    """QNN's QDQ quantization (`build_qnn`'s `scheme`, a `qdq-SCHEME` recipe's SCHEME): activations uint16
+    (a16w8, the default) or uint8 (a8w8); MatMul weights int8 either way. A StrEnum: written (manifest,
+    cache key) as its name."""
+
+    A16W8 = "a16w8"
+    A8W8 = "a8w8"
+
+    @classmethod
+    def parse(cls, text: "str | QnnScheme") -> "QnnScheme":
+        """`text` as a scheme (where a caller's string enters); a one-line UserError for another."""
+        try:
+            return cls(text)
+        except ValueError:
+            raise UserError(f"unknown QNN quantization {text!r}: use one of {', '.join(cls)}") from None
+
+    @property
+    def activation_bits(self) -> int:
+        return 16 if self is QnnScheme.A16W8 else 8
+
+
+QUANT_SCHEMES: tuple[QnnScheme, ...] = tuple(QnnScheme)
 
 
 def get_soc(name: str) -> Soc:
@@ -115,8 +139,8 @@ class _Feeds:
         return next(self._it, None)
 
 
-def quantize_qdq(float_path: Path, out_path: Path, feeds: list[dict[str, np.ndarray]] | None, scheme: str = "a16w8",
-                 ranges: Path | None = None) -> Path:
+def quantize_qdq(float_path: Path, out_path: Path, feeds: list[dict[str, np.ndarray]] | None,
+                 scheme: QnnScheme | str = QnnScheme.A16W8, ranges: Path | None = None) -> Path:
     """A QDQ copy of the float graph for the QNN HTP: activations uint16 (a16w8) or uint8; MatMul weights
     int8, symmetric, one scale per output channel (the form the HTP takes per-channel weights in;
     onnxruntime's QNN config only does that for Conv), other weights uint8 per tensor.
@@ -128,11 +152,10 @@ def quantize_qdq(float_path: Path, out_path: Path, feeds: list[dict[str, np.ndar
     from onnxruntime.quantization import QuantType, quantize_static
     from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
 
-    if scheme not in QUANT_SCHEMES:
-        raise UserError(f"unknown QNN quantization {scheme!r}: use one of {', '.join(QUANT_SCHEMES)}")
+    scheme = QnnScheme.parse(scheme)
     if not feeds and not (ranges is not None and ranges.is_file()):
         raise UserError("QDQ calibration needs at least one token of calibration text")
-    act = QuantType.QUInt16 if scheme == "a16w8" else QuantType.QUInt8
+    act = QuantType.QUInt16 if scheme.activation_bits == 16 else QuantType.QUInt8
     per_channel = {w: [{"axis": 1, "quant_type": QuantType.QInt8, "symmetric": True}]
                    for w in _matmul_weights(float_path)}
     c = get_qnn_qdq_config(str(float_path), _Feeds(feeds or []), activation_type=act, weight_type=QuantType.QUInt8,
@@ -183,7 +206,7 @@ CACHE_SOURCES = (*(Path(__file__).with_name(n) for n in ("qnn.py", "onnx_static.
 
 @cached_export("qnn", CACHE_SOURCES)
 def build_qnn(model: Transformer, out_dir: str | Path, *, soc: str = "sm8650", context: int = 1024, chunk: int = 64,
-              scheme: str = "a16w8", calibration: Sequence[Sequence[int]] | None = None,
+              scheme: QnnScheme | str = QnnScheme.A16W8, calibration: Sequence[Sequence[int]] | None = None,
               max_seq_len: int | None = None, keep_float: bool = False,
               progress: Callable[[str], None] | None = None, record_feeds: RecordFeeds,
               sink_token: int | None = None, sink_of: SinkOf | None = None) -> dict[str, Any]:
@@ -202,6 +225,7 @@ def build_qnn(model: Transformer, out_dir: str | Path, *, soc: str = "sm8650", c
     """
     say = progress or (lambda _m: None)
     target = get_soc(soc)
+    scheme = QnnScheme.parse(scheme)  # up front: the quantizer runs minutes later
     if chunk < 1 or context < 1:
         raise UserError(f"the QNN graphs need context >= 1 and chunk >= 1, got context={context}, chunk={chunk}")
     chunk = min(chunk, context)  # a call never takes more tokens than the cache holds

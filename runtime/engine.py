@@ -16,7 +16,7 @@ import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator, Literal
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from edgefinfer.bundle.artefact import Layout
 from edgefinfer.errors import UserError
@@ -37,22 +37,19 @@ ResponseFormat = dict | Constraint | Grammar | None
 
 @dataclass(frozen=True)
 class KVOption:
-    """`--kv` option: static (default) | window:N[,sinks:S] | paged:BLOCK (the shared paged-KV manager)."""
+    """`--kv` option: static (default) | window:N[,sinks:S] | paged:BLOCK (the shared paged-KV manager).
 
-    kind: Literal["static", "window", "paged"] = "static"
+    layout: the exported layout this option asks for; None for the paged manager (chosen when
+    running, never built into an artefact)."""
+
+    layout: Layout | None = Layout.STATIC
     window: int | None = None
     sinks: int = 0
     block_size: int | None = None
 
     @property
-    def layout(self) -> Layout | None:
-        """The exported layout this option asks for; None for the paged manager (chosen when running,
-        never built into an artefact)."""
-        return None if self.paged else Layout(self.kind)
-
-    @property
     def paged(self) -> bool:
-        return self.kind == "paged"
+        return self.layout is None
 
     @classmethod
     def parse(cls, text: str | None) -> "KVOption":
@@ -71,12 +68,12 @@ class KVOption:
                     sinks = int(value)
                 if window < 1 or sinks < 0:
                     raise ValueError(text)
-                return cls("window", window=window, sinks=sinks)
+                return cls(Layout.WINDOW, window=window, sinks=sinks)
             if head == "paged":
                 block = int(rest or 16)
                 if block < 1:
                     raise ValueError(text)
-                return cls("paged", block_size=block)
+                return cls(None, block_size=block)
         except ValueError:
             pass
         raise UserError(f"bad --kv {text!r}: use static, window:N[,sinks:S] or paged:BLOCK_SIZE")

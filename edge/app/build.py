@@ -33,7 +33,7 @@ from edgefinfer.app.model_arg import DEFAULT_MODEL, resolve_model
 from edgefinfer.bundle.artefact import KVSpec, Layout
 from edgefinfer.bundle.manifest import BundleWriter
 from edgefinfer.errors import UserError
-from edgefinfer.bundle.recipe import LLAMACPP_PREFIX, Recipe
+from edgefinfer.bundle.recipe import LLAMACPP_PREFIX, Recipe, RecipeKind
 from edgefinfer.bundle.targets import Target, get_target
 
 # Candidate recipes per artefact format for --quality-budget, smallest first; at one size the cheap
@@ -368,7 +368,7 @@ def compile_artefact(target: Target, model, tokenizer, recipe: Recipe, cache: KV
 
         # Quantized layers keep their codes (Q4_0 / Q4_1 / Q8_0, or refused); float matrices are F16,
         # or, for llamacpp-* recipes, whatever llama.cpp's quantizer makes of them.
-        dtype = recipe.variant if recipe.kind == "llamacpp" else "f16"
+        dtype = recipe.variant if recipe.kind is RecipeKind.LLAMACPP else "f16"
         return ["model.gguf"], export_gguf(model, tokenizer, folder / "model.gguf", dtype)
     if target.format == "pte":
         from edgefinfer.compile.executorch_export import export_pte
@@ -377,7 +377,7 @@ def compile_artefact(target: Target, model, tokenizer, recipe: Recipe, cache: KV
 
         # A quantized model goes as it is (8da4w if any linear is 4-bit, else 8da8w); float and QDQ recipes
         # name ExecuTorch's scheme themselves (fp32 / fp16, NeuroPilot's qdq-*).
-        et_recipe = (scheme_of(model) if is_quantized(model) else recipe.variant if recipe.kind == "float"
+        et_recipe = (scheme_of(model) if is_quantized(model) else recipe.variant if recipe.kind is RecipeKind.FLOAT
                      else recipe.name)
         options = (dict(kv=cache.layout, window=cache.window, num_sinks=cache.sinks) if cache.streams else
                    dict(kv=cache.layout, max_seq_len=opts.max_seq_len))
@@ -396,13 +396,13 @@ def compile_artefact(target: Target, model, tokenizer, recipe: Recipe, cache: KV
         files = [meta["model_file"]] + [f for f in meta["files"] if f != meta["model_file"]]
         return files, meta
     if target.format == "qnn-context":
-        from edgefinfer.compile.qnn import build_qnn
+        from edgefinfer.compile.qnn import QnnScheme, build_qnn
         from edgefinfer.data.corpora import load_text
         from edgefinfer.runtime.backends.ort import attention_sink, recorded_feeds
 
         # Activation ranges from 4 prompt-processor calls (64 tokens each) over calibration text.
         calib = [tokenizer.encode(load_text("calib")[:8000])[:256]]
-        scheme = recipe.variant if recipe.kind == "qdq" else "a16w8"
+        scheme = QnnScheme.parse(recipe.variant) if recipe.kind is RecipeKind.QDQ else QnnScheme.A16W8
         meta = build_qnn(model, folder, soc=opts.soc, context=opts.max_seq_len, scheme=scheme, calibration=calib,
                          progress=lambda m: print(f"  {m}", file=sys.stderr), record_feeds=recorded_feeds,
                          sink_token=sink_token(tokenizer), sink_of=attention_sink)
@@ -477,9 +477,9 @@ def evaluate_artefact(target: Target, path: Path, test_ids: list[int], float_ppl
 
 def check_recipe(model, target: Target, recipe: Recipe) -> None:
     """A one-line UserError, before any work, if `recipe` cannot make `target`'s artefact from `model`."""
-    if recipe.kind in ("float", "qdq"):
+    if recipe.kind in (RecipeKind.FLOAT, RecipeKind.QDQ):
         return  # the exporters check these themselves, up front
-    if recipe.kind == "llamacpp":
+    if recipe.kind is RecipeKind.LLAMACPP:
         from edgefinfer.compile.gguf_export import LLAMA_FTYPES
 
         if target.format != "gguf" or recipe.variant not in LLAMA_FTYPES:
@@ -543,7 +543,7 @@ def eager_candidates(model, target: Target, tokenizer, float_ppl: float, test_id
             tried.append(Candidate(name, skipped=str(e)))
             continue
         quantized = quantize_for(model, target, recipe, tokenizer)
-        scored, size = (_llamacpp_weights(model, tokenizer, recipe) if recipe.kind == "llamacpp" else
+        scored, size = (_llamacpp_weights(model, tokenizer, recipe) if recipe.kind is RecipeKind.LLAMACPP else
                         (quantized, model_size_bytes(quantized)))
         ppl = _perplexity_of(lambda ids: scored(ids), test_ids, opts.eval_window, tokenizer.scoring_prefix)
         tried.append(Candidate(name, size_bytes=size,
