@@ -153,6 +153,29 @@ def export_pte(model: Transformer, out_path: str | Path, *, recipe: Scheme | Neu
         say(f"[executorch] cache hit {key[:12]}: copied {hit.files[PROGRAM]} ({meta['size_bytes'] / 2**20:.1f} MiB)")
         return meta
 
+    program, spec, methods = _program(model, opts, say, stages)
+    with _stage("write", say, stages):
+        write_bytes(out_path, program.buffer)
+    meta = {
+        **write_spec(spec, "manifest"),  # format, recipe, kv, inputs, outputs
+        **_program_meta(opts, methods),
+        "size_bytes": out_path.stat().st_size,
+        "stages_s": {k: round(v, 2) for k, v in stages.items()},
+        "build_s": round(time.perf_counter() - t0, 2),
+        "cache_key": key,
+        "cached": False,
+        "path": str(out_path),
+    }
+    if cache:
+        store.put("executorch", key, {PROGRAM: out_path}, meta)
+    say(f"[executorch] wrote {out_path} ({meta['size_bytes'] / 2**20:.2f} MiB) in {meta['build_s']:.1f}s")
+    return meta
+
+
+def _program(model: Transformer, opts: PteOptions, say: Progress, stages: dict[str, float]
+             ) -> tuple[Any, ArtefactSpec, dict[str, Any]]:
+    """The pipeline's stages 1-4 (the module doc), each timed into `stages`: (the ExecuTorch program,
+    its description, the constant methods that carry it)."""
     with _stage(f"quantize {opts.scheme}", say, stages):
         prepared = _prepare_weights(model, opts)
     with _stage("export", say, stages), _finite_mask(opts.delegate == "neuropilot"):
@@ -167,11 +190,12 @@ def export_pte(model: Transformer, out_path: str | Path, *, recipe: Scheme | Neu
         edge = _lower(exported, methods, opts)
     with _stage("to_executorch", say, stages):
         program = _to_executorch(edge)
-    with _stage("write", say, stages):
-        write_bytes(out_path, program.buffer)
+    return program, spec, methods
 
-    meta = {
-        **write_spec(spec, "manifest"),  # format, recipe, kv, inputs, outputs
+
+def _program_meta(opts: PteOptions, methods: dict[str, Any]) -> dict[str, Any]:
+    """What the manifest records of how the program was made (besides its spec, size and times)."""
+    return {
         "backend": "executorch",
         "delegate": opts.delegate,
         "scheme": opts.scheme,
@@ -181,17 +205,7 @@ def export_pte(model: Transformer, out_path: str | Path, *, recipe: Scheme | Neu
         "all_logits": opts.all_logits,
         "methods": methods,
         "kernel_modules": list(RUNTIME_KERNEL_MODULES),
-        "size_bytes": out_path.stat().st_size,
-        "stages_s": {k: round(v, 2) for k, v in stages.items()},
-        "build_s": round(time.perf_counter() - t0, 2),
-        "cache_key": key,
-        "cached": False,
-        "path": str(out_path),
     }
-    if cache:
-        store.put("executorch", key, {PROGRAM: out_path}, meta)
-    say(f"[executorch] wrote {out_path} ({meta['size_bytes'] / 2**20:.2f} MiB) in {meta['build_s']:.1f}s")
-    return meta
 
 
 def export_key(model: Transformer, opts: PteOptions) -> str:

@@ -25,7 +25,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 
 from edgefinfer.app.bundle_readme import bundle_readme
@@ -86,9 +86,72 @@ def default_out(target: str) -> Path:
 
 
 def build(opts: BuildOptions) -> Path:
+    """Build `opts.target`'s bundle from `opts.model` in five logged steps (the module doc); returns the
+    bundle's folder, written whole or not at all."""
     # A static cache holds max_seq_len positions: score the float model, the candidates and the artefact
     # on the same windows (a shorter window alone raises perplexity by several percent).
     opts = dataclasses.replace(opts, eval_window=min(opts.eval_window, opts.max_seq_len))
+    target, kv, given = _check_up_front(opts)
+    out = Path(opts.out) if opts.out else default_out(target.name)
+    _remove_stale_temporaries(out)
+    folder = resolve_model(str(opts.model) if opts.model is not None else DEFAULT_MODEL)
+    log = StepLog()
+    source = _load_source(folder, target, opts, log)
+    recipe, quantized, candidates, tried, kept = _choose_recipe(source, target, given, opts, log)
+
+    model_meta = {"name": folder.name, "config": source.model.config.to_hf(), "source": str(folder)}
+    with BundleWriter(out, target=target.name, model=model_meta) as writer:
+        source.tokenizer.save(writer.tmp)  # beside the artefact: its runtime loads it to evaluate
+        compiled = _compile_within_budget(writer.tmp, target, source, recipe, quantized, candidates, tried, kv,
+                                          opts, log)
+        _fill_bundle(writer, target, source, compiled, kv, opts)
+        writer.manifest.recipe = {"name": compiled.recipe.name, "target_default": target.recipe,
+                                  "quality_budget_pct": opts.quality_budget}
+        if tried:
+            writer.manifest.recipe["candidates"] = [c.to_dict() for c in tried]
+        if kept:
+            writer.manifest.recipe["source_precision"] = {name: fmt.to_dict() for name, fmt in sorted(kept.items())}
+        writer.manifest.metrics = {"float_ppl": source.float_ppl, "eval_tokens": len(source.test_ids),
+                                   "eval_split": "test", **compiled.figures, "build_s": round(compiled.build_s, 1)}
+        bundle = writer.commit()
+    size = sum(a.size for a in writer.manifest.artefacts if a.role in ("model", "weights"))
+    print_summary(target, compiled.recipe.name, compiled.files[0], size, source.float_ppl, compiled.figures,
+                  compiled.build_s)
+    return bundle
+
+
+N_STEPS = 5  # load, float perplexity, quantize, compile, evaluate
+
+
+@dataclass
+class _Source:
+    """The model a build starts from, loaded once (step 1) and scored in float (step 2)."""
+
+    folder: Path
+    model: Any
+    prequantized: Recipe | None  # the checkpoint's own quantization (`edgefinfer quantize`); None: float
+    tokenizer: Any  # what the bundle ships: the peer runner's dialect of `source_tokenizer` where it has one
+    source_tokenizer: Any
+    test_ids: list[int]
+    prefix: list[int]  # what scoring puts first: [BOS] for models trained to see one (Gemma)
+    float_ppl: float | None
+
+
+@dataclass(frozen=True)
+class _Compiled:
+    """The artefact that ships: its recipe, files (the main one first), the exporter's metadata, the
+    figures its own runtime measured, and the seconds its compilation took."""
+
+    recipe: Recipe
+    files: list[str]
+    meta: dict[str, Any]
+    figures: dict[str, Any]
+    build_s: float
+
+
+def _check_up_front(opts: BuildOptions) -> tuple[Target, KVSpec, Recipe | None]:
+    """(target, KV cache, the recipe asked for): every option a user can get wrong, checked before any
+    work, each with a one-line UserError."""
     target = get_target(opts.target)
     target.check()  # a missing SDK fails here, before any work
     _check_budget(target, opts)
@@ -96,14 +159,14 @@ def build(opts: BuildOptions) -> Path:
     given = Recipe.parse(opts.recipe) if opts.recipe else None  # and a recipe no exporter knows
     if opts.draft is not None and not Path(opts.draft).is_dir():
         raise UserError(f"draft model folder {opts.draft} does not exist")
+    return target, kv, given
+
+
+def _load_source(folder: Path, target: Target, opts: BuildOptions, log: StepLog) -> _Source:
+    """Steps 1 and 2: the model, its tokenizer and test tokens; its float perplexity."""
     from edgefinfer.tokenization.tokenizer import Tokenizer
 
-    out = Path(opts.out) if opts.out else default_out(target.name)
-    _remove_stale_temporaries(out)
-    folder = resolve_model(str(opts.model) if opts.model is not None else DEFAULT_MODEL)
-    log = StepLog()
-    n_steps = 5
-    done = log.step(1, n_steps, f"load {folder}")
+    done = log.step(1, N_STEPS, f"load {folder}")
     model, prequantized = _load(folder)
     tokenizer = Tokenizer.from_dir(folder)
     test_ids = _test_tokens(tokenizer, opts.eval_tokens)
@@ -112,85 +175,92 @@ def build(opts: BuildOptions) -> Path:
         tokenizer = _runner_tokenizer(tokenizer, RUNNER_DIALECT[target.format], test_ids)
     done()
 
-    done = log.step(2, n_steps, "float perplexity (eager torch)")
+    done = log.step(2, N_STEPS, "float perplexity (eager torch)")
     prefix = tokenizer.scoring_prefix  # [BOS] for models trained to see one first (Gemma)
     float_ppl, reused = _float_perplexity(model, test_ids, opts.eval_window, prefix)
     done((f": {float_ppl:.3f}" if float_ppl else "") + (" (reused the artefact cache)" if reused else ""))
+    return _Source(folder, model, prequantized, tokenizer, source_tokenizer, test_ids, prefix, float_ppl)
 
-    recipe = given or Recipe.parse(default_recipe(target, folder))
+
+def _choose_recipe(source: _Source, target: Target, given: Recipe | None, opts: BuildOptions, log: StepLog
+                   ) -> tuple[Recipe, Any, Iterator[tuple[Recipe, Any]], list[Candidate], dict[str, Any]]:
+    """Step 3: (the first recipe to compile, its quantized model, the candidates after it, the candidates
+    tried, the matrices kept at the bits of the GGUF the weights came from). One candidate, unless a
+    quality budget asks for the smallest recipe within it; a UserError when none is."""
+    recipe = given or Recipe.parse(default_recipe(target, source.folder))
     # A default recipe re-quantizes no matrix below the bits its source GGUF gave it (an explicit one is
     # taken as it is, and a quality budget measures its candidates anyway).
-    kept = source_precision(folder, recipe) if given is None and opts.quality_budget is None else {}
-    if prequantized is not None:  # `edgefinfer quantize` already chose: export those codes as they are
+    kept = source_precision(source.folder, recipe) if given is None and opts.quality_budget is None else {}
+    model = source.model
+    if source.prequantized is not None:  # `edgefinfer quantize` already chose: export those codes as they are
         if opts.recipe or opts.quality_budget is not None:
-            raise UserError(f"{folder} is already quantized ({prequantized.name}); drop --recipe/--quality-budget "
-                            f"or build from the float checkpoint")
-        recipe = prequantized
-        done = log.step(3, n_steps, f"use the checkpoint's quantization ({recipe.name})")
+            raise UserError(f"{source.folder} is already quantized ({source.prequantized.name}); drop "
+                            "--recipe/--quality-budget or build from the float checkpoint")
+        recipe = source.prequantized
+        done = log.step(3, N_STEPS, f"use the checkpoint's quantization ({recipe.name})")
         quantized = model
     tried: list[Candidate] = []
     if opts.quality_budget is not None:
-        done = log.step(3, n_steps, f"choose the smallest recipe within +{opts.quality_budget}% perplexity")
-        candidates = eager_candidates(model, target, tokenizer, float_ppl, test_ids, opts, tried)
+        done = log.step(3, N_STEPS, f"choose the smallest recipe within +{opts.quality_budget}% perplexity")
+        candidates = eager_candidates(model, target, source.tokenizer, source.float_ppl, source.test_ids, opts, tried)
     else:
-        if prequantized is None:
-            done = log.step(3, n_steps, f"quantize ({recipe.name})")
+        if source.prequantized is None:
+            done = log.step(3, N_STEPS, f"quantize ({recipe.name})")
             check_recipe(model, target, recipe)
             if kept:
                 print(f"  {len(kept)} matrices stay at 8 bits: the GGUF the weights came from stored them with "
                       "more bits than the recipe's", file=sys.stderr)
-            quantized = quantize_for(model, target, recipe, tokenizer, kept)
+            quantized = quantize_for(model, target, recipe, source.tokenizer, kept)
         candidates = iter([(recipe, quantized)])
-    recipe, quantized = next(candidates, (None, None))
-    if recipe is None:
+    first, quantized = next(candidates, (None, None))
+    if first is None:
         raise budget_error(target, opts.quality_budget, tried)
-    done(f": {recipe.name}")
+    done(f": {first.name}")
+    return first, quantized, candidates, tried, kept
 
-    model_meta = {"name": folder.name, "config": model.config.to_hf(), "source": str(folder)}
-    with BundleWriter(out, target=target.name, model=model_meta) as writer:
-        tokenizer.save(writer.tmp)  # beside the artefact: its runtime loads it to evaluate
-        while True:  # with a budget: until a compiled artefact's own runtime confirms it
-            done = log.step(4, n_steps, f"compile {target.format} for {target.name} ({recipe.name})")
-            t_build = time.perf_counter()
-            art_files, meta = compile_artefact(target, quantized, tokenizer, recipe, kv, writer.tmp, opts)
-            build_s = time.perf_counter() - t_build
-            done(" (reused the artefact cache)" if meta.get("cached") else "")
-            done = log.step(5, n_steps, "evaluate the artefact with its runtime")
-            figures = evaluate_artefact(target, writer.tmp / art_files[0], test_ids, float_ppl, opts, prefix) \
-                if target.runs_here and test_ids else {}
-            done()
-            if opts.quality_budget is None or _confirmed(figures, opts.quality_budget, tried, target):
-                break
-            for f in art_files:  # over budget on its runtime: try the next candidate
-                (writer.tmp / f).unlink(missing_ok=True)
-            recipe, quantized = next(candidates, (None, None))
-            if recipe is None:
-                raise budget_error(target, opts.quality_budget, tried)
-        for name in ("tokenizer.json", "tokenizer_config.json"):
-            writer.add(name, format="tokenizer", role="tokenizer")
-        if (writer.tmp / "genai_config.json").is_file():  # onnxruntime-genai's own tokenizer, on the bundle
-            _check_genai_tokenizer(writer.tmp, source_tokenizer, tokenizer, test_ids)
-        (writer.tmp / "README.txt").write_text(bundle_readme(target, art_files[0], tokenizer))
-        writer.add("README.txt", format="text", role="readme")
-        main = art_files[0]
-        writer.add(main, format=target.format, role="model", backend=target.backend, recipe=recipe.name,
-                   **_manifest_meta(meta), metrics={**figures, "build_s": round(build_s, 1)})
-        for extra in art_files[1:]:
-            writer.add(extra, format=f"{target.format}-data", role="weights", backend=target.backend)
-        if opts.draft is not None:
-            _add_draft(writer, target, Path(opts.draft), tokenizer, kv, opts)
-        writer.manifest.recipe = {"name": recipe.name, "target_default": target.recipe,
-                                  "quality_budget_pct": opts.quality_budget}
-        if tried:
-            writer.manifest.recipe["candidates"] = [c.to_dict() for c in tried]
-        if kept:
-            writer.manifest.recipe["source_precision"] = {name: fmt.to_dict() for name, fmt in sorted(kept.items())}
-        writer.manifest.metrics = {"float_ppl": float_ppl, "eval_tokens": len(test_ids),
-                                   "eval_split": "test", **figures, "build_s": round(build_s, 1)}
-        bundle = writer.commit()
-    size = sum(a.size for a in writer.manifest.artefacts if a.role in ("model", "weights"))
-    print_summary(target, recipe.name, main, size, float_ppl, figures, build_s)
-    return bundle
+
+def _compile_within_budget(folder: Path, target: Target, source: _Source, recipe: Recipe, quantized: Any,
+                           candidates: Iterator[tuple[Recipe, Any]], tried: list[Candidate], kv: KVSpec,
+                           opts: BuildOptions, log: StepLog) -> _Compiled:
+    """Steps 4 and 5: compile `quantized` into `folder` and measure it with its own runtime. With a
+    quality budget, a candidate over it on its runtime is deleted and the next one compiled, until one
+    is confirmed (a UserError when none is): the eager score alone does not ship a recipe."""
+    while True:
+        done = log.step(4, N_STEPS, f"compile {target.format} for {target.name} ({recipe.name})")
+        t_build = time.perf_counter()
+        files, meta = compile_artefact(target, quantized, source.tokenizer, recipe, kv, folder, opts)
+        build_s = time.perf_counter() - t_build
+        done(" (reused the artefact cache)" if meta.get("cached") else "")
+        done = log.step(5, N_STEPS, "evaluate the artefact with its runtime")
+        figures = evaluate_artefact(target, folder / files[0], source.test_ids, source.float_ppl, opts,
+                                    source.prefix) if target.runs_here and source.test_ids else {}
+        done()
+        if opts.quality_budget is None or _confirmed(figures, opts.quality_budget, tried, target):
+            return _Compiled(recipe, files, meta, figures, build_s)
+        for f in files:  # over budget on its runtime: try the next candidate
+            (folder / f).unlink(missing_ok=True)
+        recipe, quantized = next(candidates, (None, None))
+        if recipe is None:
+            raise budget_error(target, opts.quality_budget, tried)
+
+
+def _fill_bundle(writer: BundleWriter, target: Target, source: _Source, compiled: _Compiled, kv: KVSpec,
+                 opts: BuildOptions) -> None:
+    """Add to the bundle being written what sits beside the artefact: the tokenizer, the README, the
+    artefact's manifest entries (the main file with its recipe and figures) and the draft model."""
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        writer.add(name, format="tokenizer", role="tokenizer")
+    if (writer.tmp / "genai_config.json").is_file():  # onnxruntime-genai's own tokenizer, on the bundle
+        _check_genai_tokenizer(writer.tmp, source.source_tokenizer, source.tokenizer, source.test_ids)
+    main, *extras = compiled.files
+    (writer.tmp / "README.txt").write_text(bundle_readme(target, main, source.tokenizer))
+    writer.add("README.txt", format="text", role="readme")
+    writer.add(main, format=target.format, role="model", backend=target.backend, recipe=compiled.recipe.name,
+               **_manifest_meta(compiled.meta), metrics={**compiled.figures, "build_s": round(compiled.build_s, 1)})
+    for extra in extras:
+        writer.add(extra, format=f"{target.format}-data", role="weights", backend=target.backend)
+    if opts.draft is not None:
+        _add_draft(writer, target, Path(opts.draft), source.tokenizer, kv, opts)
 
 
 # ---- steps ----------------------------------------------------------------------------------------------
