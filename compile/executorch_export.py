@@ -39,7 +39,6 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass
-from enum import StrEnum
 from pathlib import Path
 from typing import Any, Callable, Iterator, Literal
 
@@ -53,7 +52,7 @@ from edgefinfer.compile.artefact_cache import ArtefactCache, content_key
 from edgefinfer.compile.et_quant import (QUANTIZED_SCHEMES, Scheme, check_xnnpack_layout, is_quantized,
                                          quantize_for_xnnpack, scheme_of)
 from edgefinfer.compile.vendor_sdks import require_sdk
-from edgefinfer.errors import UserError
+from edgefinfer.errors import UserChoice, UserError
 from edgefinfer.model.transformer import Transformer
 
 Delegate = Literal["xnnpack", "coreml", "neuropilot"]
@@ -61,7 +60,7 @@ Progress = Callable[[str], None]
 
 
 
-class NeuropilotRecipe(StrEnum):
+class NeuropilotRecipe(UserChoice):
     """NeuroPilot recipes: static activation + weight quantization by ExecuTorch's NeuropilotQuantizer,
     calibrated on text. The value is the recipe as the user names it; the member's name is the
     quantizer's `Precision` (A16W8: uint16 activations, int8 weights). A StrEnum: written (manifest,
@@ -74,12 +73,8 @@ class NeuropilotRecipe(StrEnum):
     A16W16 = "qdq-a16w16"
 
     @classmethod
-    def parse(cls, text: "str | NeuropilotRecipe") -> "NeuropilotRecipe":
-        """`text` as a NeuroPilot recipe (where a caller's string enters); a one-line UserError for another."""
-        try:
-            return cls(text)
-        except ValueError:
-            raise UserError(f"recipe {text!r} is not a NeuroPilot recipe: use one of {', '.join(cls)}") from None
+    def refusal(cls, text: object) -> str:
+        return f"recipe {text!r} is not a NeuroPilot recipe: use one of {', '.join(cls)}"
 
     @property
     def precision(self) -> str:

@@ -48,7 +48,6 @@ from __future__ import annotations
 import copy
 import json
 import shutil
-from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -66,12 +65,12 @@ from edgefinfer.compile.onnx_weights import (EmbeddingSpec, FloatEmbedding, Floa
                                              unpacked_zero_points)
 from edgefinfer.compile.quant.modules import QUANT_MODULES, QuantLinear
 from edgefinfer.model.config import ModelConfig
-from edgefinfer.errors import UserError
+from edgefinfer.errors import UserChoice, UserError
 from edgefinfer.model.transformer import Transformer
 
 
 
-class Weights(StrEnum):
+class Weights(UserChoice):
     """What `export_onnx` writes the linear layers as: float (fp32; fp16, whose graph also takes and
     returns float16) or integer (int8 / int4: a float model is quantized first, round to nearest).
     A StrEnum: written (metadata, manifest, cache key) as its name."""
@@ -82,12 +81,8 @@ class Weights(StrEnum):
     INT4 = "int4"
 
     @classmethod
-    def parse(cls, text: "str | Weights") -> "Weights":
-        """`text` as weights (where a caller's string enters); a one-line UserError for another."""
-        try:
-            return cls(text)
-        except ValueError:
-            raise UserError(f"unknown ONNX weights {text!r}: use one of {', '.join(cls)}") from None
+    def refusal(cls, text: object) -> str:
+        return f"unknown ONNX weights {text!r}: use one of {', '.join(cls)}"
 
     @property
     def bits(self) -> int | None:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from enum import StrEnum
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -40,7 +39,7 @@ from edgefinfer.compile.artefact_cache import cached_export
 from edgefinfer.compile.onnx_graph import read_metadata
 from edgefinfer.compile.onnx_static import export_static_decode
 from edgefinfer.libraries import ort_ep
-from edgefinfer.errors import UserError
+from edgefinfer.errors import UserChoice, UserError
 from edgefinfer.model.transformer import Transformer
 from edgefinfer.libraries.ort_ep import qnn_context_session, require_qnn  # noqa: F401 (re-exported)
 from edgefinfer.libraries.ort_ep import qnn_session_options as _qnn_session_options
@@ -74,7 +73,7 @@ SOCS: dict[str, Soc] = {s.name: s for s in (
 )}
 
 
-class QnnScheme(StrEnum):
+class QnnScheme(UserChoice):
     """QNN's QDQ quantization (`build_qnn`'s `scheme`, a `qdq-SCHEME` recipe's SCHEME): activations uint16
     (a16w8, the default) or uint8 (a8w8); MatMul weights int8 either way. A StrEnum: written (manifest,
     cache key) as its name."""
@@ -83,12 +82,8 @@ class QnnScheme(StrEnum):
     A8W8 = "a8w8"
 
     @classmethod
-    def parse(cls, text: "str | QnnScheme") -> "QnnScheme":
-        """`text` as a scheme (where a caller's string enters); a one-line UserError for another."""
-        try:
-            return cls(text)
-        except ValueError:
-            raise UserError(f"unknown QNN quantization {text!r}: use one of {', '.join(cls)}") from None
+    def refusal(cls, text: object) -> str:
+        return f"unknown QNN quantization {text!r}: use one of {', '.join(cls)}"
 
     @property
     def activation_bits(self) -> int:
