@@ -120,7 +120,7 @@ def imported_modules(module: str, source: str, is_package: bool, known: set[str]
                      type_only: bool = True) -> list[tuple[int, str]]:
     """(line, module) for every import of the package in `source`, wherever it stands (without those
     under `if TYPE_CHECKING:` when not `type_only`). `from a import b` counts as importing a.b when
-    that is a module (e.g. `from edgefinfer import reference`)."""
+    that is a module (e.g. `from edgefinfer.model import reference`)."""
     here = module if is_package else module.rpartition(".")[0]
     tree = ast.parse(source)
     skip = set() if type_only else _type_only(tree)

@@ -345,13 +345,12 @@ def _float_perplexity(model, test_ids: list[int], window: int, prefix: list[int]
     tokens by the same code before (a rebuild), else measured and stored."""
     if not test_ids:
         return None, False
-    from edgefinfer.model import kv_cache as cache, config
-    from edgefinfer.data import evaluate
-    from edgefinfer.model import transformer as model_module
     from edgefinfer.compile.artefact_cache import cached_figures
+    from edgefinfer.data import evaluate
+    from edgefinfer.model import config, kv_cache, transformer
 
     options = {"test_ids": test_ids, "window": window, "prefix": list(prefix)}
-    sources = (evaluate.__file__, model_module.__file__, cache.__file__, config.__file__)  # what the score runs
+    sources = (evaluate.__file__, transformer.__file__, kv_cache.__file__, config.__file__)  # what the score runs
     figures, reused = cached_figures("float-ppl", model, options, sources,
                                      lambda: {"ppl": _perplexity_of(lambda ids: model(ids), test_ids, window, prefix)})
     return figures["ppl"], reused
