@@ -157,10 +157,10 @@ def check_imatrix(name: str, folder: Path, out: Path, args) -> dict:
 
     from edgefinfer.app.build import BuildOptions, _float_perplexity, _test_tokens, evaluate_artefact
     from edgefinfer.app.quantize_command import default_calibration
-    from edgefinfer.checkpoint import load_model
+    from edgefinfer.bundle.targets import get_target
     from edgefinfer.compile.gguf_export import export_gguf
-    from edgefinfer.targets import get_target
-    from edgefinfer.tokenizer import Tokenizer
+    from edgefinfer.model.checkpoint import load_model
+    from edgefinfer.tokenization.tokenizer import Tokenizer
 
     tools = llama_tools(("llama-imatrix", "llama-quantize"))
     model, tok = load_model(folder), Tokenizer.from_dir(folder)
@@ -226,10 +226,10 @@ def check_fzp_search(model, folder: Path, tok, float_ppl: dict, args) -> dict:
     """Eager perplexity per held-out domain of the linux-x86_64 default recipe with the float zero point's
     grid chosen by the group's range and by the least-squares search (what quantization alone does)."""
     from edgefinfer.app.build import source_precision
+    from edgefinfer.bundle.recipe import Recipe
+    from edgefinfer.bundle.targets import get_target
     from edgefinfer.compile.quant import primitives
     from edgefinfer.compile.quant.apply import quantize_model
-    from edgefinfer.recipe import Recipe
-    from edgefinfer.targets import get_target
 
     recipe = Recipe.parse(get_target("linux-x86_64").recipe)
     parsed = recipe.quant.with_overrides(source_precision(folder, recipe))
