@@ -250,11 +250,10 @@ def check_fzp_search(model, folder: Path, tok, float_ppl: dict, args) -> dict:
         finally:
             primitives.least_squares_grid = searched
         with torch.no_grad():
-            ppl = heldout_ppl(lambda t: quantized(t), tok, args.tokens, args.window)
+            ppl = heldout_ppl(quantized, tok, args.tokens, args.window)
         rows[name] = {"ppl": ppl, "ppl_delta_pct": {d: round(100 * (ppl[d] / float_ppl[d] - 1), 2) for d in ppl},
                       "quantize_cpu_s": cpu_s}
         print(name, json.dumps(rows[name]), flush=True)
-        del quantized
     return {"recipe": recipe.name, "matrices_kept_at_int8": len(source_precision(folder, recipe)),
             "measured_by": "eager torch (float32 activations)", **rows}
 

@@ -14,10 +14,8 @@ Token ids go to llama.cpp as ids, so both backends see the same tokens for the s
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 
 from edgefinfer.errors import UserError
 from edgefinfer.bundle.resolve import ModelSource, resolve

@@ -2,13 +2,11 @@
 interrupted or killed build leaves nothing at the destination and a rerun succeeds."""
 
 import json
-import os
 import re
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 

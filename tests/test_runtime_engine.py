@@ -6,7 +6,7 @@ import threading
 import pytest
 
 from edgefinfer.model.checkpoint import save_model
-from edgefinfer.decoding.eager import generate_ids, generate_text
+from edgefinfer.decoding.eager import generate_text
 from edgefinfer.errors import UserError
 from edgefinfer.runtime.engine import Engine, KVOption, SpeculativeOption
 from edgefinfer.decoding.sampling import SamplingParams

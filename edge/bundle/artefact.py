@@ -17,7 +17,6 @@ This is foundation: it imports neither an exporter (a phone has none) nor a runt
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any, Literal, Mapping
 
 from edgefinfer.model.config import normalize_eos_ids
