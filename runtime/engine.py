@@ -115,18 +115,24 @@ def open_backend(path: str | Path, kind: str | None = None, kv: KVOption = KVOpt
     if src.kind == "bundle":
         # tokenizer.json (3.5 MB of JSON for SmolLM2: 0.1-0.3 s) parses while the runtime loads the weights,
         # which llama.cpp and ONNX Runtime do in native code with the GIL released. The parse holds the GIL
-        # (tokenizers' from_file), so the Python imports come first: they would wait for it.
+        # (tokenizers' from_file) from start to end, so whatever Python the main thread has left waits for
+        # it: the imports come first, and the parse starts only when the backend calls `native_load` right
+        # before its native load (or when it returns, for one that has none).
         _import_runtime(src.backend)
-        tokenizer = _Background(src.tokenizer)
-        if src.entry.format == "qnn-context":  # static graphs: QNN EP (HTP / emulator) or CPU EP, see open_qnn
-            from edgefinfer.runtime.backends.ort import open_qnn
+        native_load = threading.Event()
+        tokenizer = _Background(_after, native_load, src.tokenizer)
+        try:
+            if src.entry.format == "qnn-context":  # static graphs: QNN EP (HTP / emulator) or CPU EP, see open_qnn
+                from edgefinfer.runtime.backends.ort import open_qnn
 
-            if kv.layout is not Layout.STATIC:
-                raise UserError("a QNN bundle's cache is fixed at build time (a window of --max-seq-len slots); "
-                                "drop --kv")
-            backend = open_qnn(src.folder, src.entry.meta, threads=threads)
-        else:
-            backend = _open(src.path, src.backend, kv, threads, max_seq_len)
+                if kv.layout is not Layout.STATIC:
+                    raise UserError("a QNN bundle's cache is fixed at build time (a window of --max-seq-len "
+                                    "slots); drop --kv")
+                backend = open_qnn(src.folder, src.entry.meta, threads=threads)
+            else:
+                backend = _open(src.path, src.backend, kv, threads, max_seq_len, native_load.set)
+        finally:
+            native_load.set()  # a backend that failed or never called it: the parse is not left waiting
         info = {"bundle": src.manifest.target, "artefact": src.entry.path, "sha256": src.entry.sha256}
         tokenizer = tokenizer.result()
     else:
@@ -152,6 +158,12 @@ def _import_runtime(kind: str | None) -> None:
         register_kernels()
 
 
+def _after(event: threading.Event, fn: Callable):
+    """`fn()` once `event` is set."""
+    event.wait()
+    return fn()
+
+
 class _Background:
     """`fn(*args)` in a thread; `result()` joins it and returns its value or raises its exception."""
 
@@ -173,7 +185,10 @@ class _Background:
         return self._value
 
 
-def _open(path: Path, kind: str | None, kv: KVOption, threads: int | None, max_seq_len: int | None) -> Backend:
+def _open(path: Path, kind: str | None, kv: KVOption, threads: int | None, max_seq_len: int | None,
+          native_load: Callable[[], None] | None = None) -> Backend:
+    """The backend for `path`. `native_load` is called right before the weights load in native code with the
+    GIL released (llama.cpp, ONNX Runtime), where other Python threads may run beside it."""
     window = kv.window  # None unless --kv window:N
     if kv.paged and kind != "torch":
         raise UserError(f"--kv paged runs on the torch backend (and in `edgefinfer serve`), not on {kind}")
@@ -193,7 +208,8 @@ def _open(path: Path, kind: str | None, kv: KVOption, threads: int | None, max_s
     if kind == "llamacpp":
         from edgefinfer.runtime.backends.llamacpp import LlamaCppBackend
 
-        return LlamaCppBackend(path, n_ctx=max_seq_len or 2048, threads=threads, window=window, num_sinks=kv.sinks)
+        return LlamaCppBackend(path, n_ctx=max_seq_len or 2048, threads=threads, window=window, num_sinks=kv.sinks,
+                               native_load=native_load)
     if kind == "executorch":
         from edgefinfer.runtime.backends.executorch import ExecuTorchBackend
 
@@ -201,7 +217,7 @@ def _open(path: Path, kind: str | None, kv: KVOption, threads: int | None, max_s
     if kind == "onnxruntime":
         from edgefinfer.runtime.backends.ort import OrtBackend
 
-        return _check_cache(OrtBackend(path, threads=threads, max_seq_len=max_seq_len), kv)
+        return _check_cache(OrtBackend(path, threads=threads, max_seq_len=max_seq_len, native_load=native_load), kv)
     raise UserError(f"unknown backend {kind!r}: use torch, executorch, onnxruntime or llamacpp")
 
 

@@ -123,3 +123,49 @@ def test_run_loads_no_torch(request, artefact, allowed):
     expect = Engine.load(path, threads=1).generate(prompt, max_tokens=8)
     assert expect.token_ids
     assert proc.stdout == expect.text + "\n"  # the same tokens as the Engine in-process
+
+
+def test_a_bundle_parses_its_tokenizer_while_the_weights_load(onnx_bundle, monkeypatch):
+    # tokenizers' parse holds the GIL throughout: started before the backend reached its native load, it
+    # kept the main thread's Python waiting (no overlap); it starts when the backend calls native_load.
+    import time
+
+    from edgefinfer.runtime import engine
+    from edgefinfer.tokenizer import Tokenizer
+
+    events = []
+    real_open, real_from_dir = engine._open, Tokenizer.from_dir.__func__
+
+    def open_slowly(*args):
+        native_load = args[-1]
+        events.append("python before the load")
+        time.sleep(0.3)  # a parse started now would be recorded before the load
+        native_load()
+        time.sleep(1.0)  # the native load (GIL released): the parse runs here
+        events.append("native load done")
+        return real_open(*args[:-1])
+
+    def from_dir(cls, path):
+        events.append("parse")
+        return real_from_dir(cls, path)
+
+    monkeypatch.setattr(engine, "_open", open_slowly)
+    monkeypatch.setattr(Tokenizer, "from_dir", classmethod(from_dir))
+    backend, tokenizer, _ = engine.open_backend(onnx_bundle, threads=1)
+    assert events == ["python before the load", "parse", "native load done"]
+    assert tokenizer.vocab_size == backend.vocab_size
+
+
+@pytest.mark.parametrize("artefact", ["onnx_bundle", "gguf_file"])
+def test_backends_call_native_load_once_before_loading(request, artefact):
+    path = request.getfixturevalue(artefact)
+    calls = []
+    if artefact == "gguf_file":
+        from edgefinfer.runtime.backends.llamacpp import LlamaCppBackend
+
+        LlamaCppBackend(path, n_ctx=64, threads=1, native_load=lambda: calls.append(1))
+    else:
+        from edgefinfer.runtime.backends.ort import OrtBackend
+
+        OrtBackend(path, threads=1, native_load=lambda: calls.append(1))
+    assert calls == [1]

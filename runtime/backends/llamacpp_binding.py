@@ -18,7 +18,7 @@ from __future__ import annotations
 import ctypes
 import os
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -58,7 +58,8 @@ def _silence(lib) -> None:
 class LlamaModel:
     """A loaded GGUF; freed by `close` or when it is garbage (after every context made from it)."""
 
-    def __init__(self, path: str | Path, gpu_layers: int = 0):
+    def __init__(self, path: str | Path, gpu_layers: int = 0, native_load: Callable[[], None] | None = None):
+        """native_load: called right before the native load (ctypes releases the GIL there)."""
         self.lib = lib = llama_cpp_lib()
         _silence(lib)
         self.path = Path(path)
@@ -69,6 +70,8 @@ class LlamaModel:
         check_gguf(self.path)
         params = lib.llama_model_default_params()
         params.n_gpu_layers = gpu_layers
+        if native_load is not None:
+            native_load()
         self.ptr = lib.llama_model_load_from_file(str(self.path).encode(), params)
         if not self.ptr:
             raise UserError(f"llama.cpp could not load {self.path}; is it a GGUF file of a supported model?")
