@@ -152,7 +152,7 @@ def _import_runtime(kind: str | None) -> None:
         from edgefinfer.ort_ep import import_ort
 
         import_ort()
-    elif kind == "executorch":  # torch, torchao and exir's edge.yaml (pure-Python YAML): seconds of GIL-bound imports
+    elif kind == "executorch":  # torch (seconds of GIL-bound imports), ExecuTorch's runtime and kernel libraries
         from edgefinfer.runtime.backends.executorch import register_kernels
 
         register_kernels()
