@@ -183,6 +183,15 @@ def startup_prompt(bundle: Path) -> str:
     return tok.apply_chat_template([{"role": "user", "content": STARTUP_QUESTION}])
 
 
+def same_reply(ours: str, peer: str, bundle: Path) -> bool:
+    """The two replies are the same text. TextLLMRunner prints the end-of-sequence token it stops on
+    (`<|im_end|>`) where `edgefinfer run` stops without printing it: that token alone does not count."""
+    from edgefinfer.tokenizer import Tokenizer
+
+    eos = Tokenizer.from_dir(bundle).eos_token
+    return ours == peer or (bool(eos) and ours == peer.removesuffix(eos).rstrip())
+
+
 def artefact_bytes(bundle: Path, backend: str) -> int:
     """The weights' bytes: every file of the bundle's artefact (an ONNX graph and its external data)."""
     from edgefinfer.bundle import load_manifest
@@ -237,10 +246,12 @@ def peer_child(backend: str, bundle: str, prompt_file: str, n: int, threads: int
         os.dup2(devnull, 1)
         import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401 (the LLM kernels)
         import executorch.kernels.quantized  # noqa: F401
+        import torch
         from executorch.extension.llm.runner import GenerationConfig, TextLLMRunner
         from executorch.extension.pybindings.portable_lib import _unsafe_reset_threadpool
 
-        _unsafe_reset_threadpool(threads)  # the process-wide pool `edgefinfer run --threads` sizes too
+        _unsafe_reset_threadpool(threads)  # the process-wide pools `edgefinfer run --threads` sizes too:
+        torch.set_num_threads(threads)  # ExecuTorch's, and libtorch's OpenMP pool its kernel libraries use
         runner = TextLLMRunner(str(next(Path(bundle).glob("*.pte"))), str(Path(bundle) / "tokenizer.json"))
         runner.generate(prompt, GenerationConfig(echo=False, max_new_tokens=n, temperature=0.0),
                         token_callback=lambda text: (out.write(text), out.flush()))
@@ -323,7 +334,8 @@ def run_startup(backend: str, bundle: Path, threads: int, runs: int) -> dict:
            # Each round runs ours then the peer: the median of their per-round ratios holds up better than a
            # ratio of medians while the host's load drifts.
            "ttft_ratio_paired": round(statistics.median(o[0] / q[0] for o, q in zip(got["ours"], got["peer"])), 3),
-           "same_text": texts["ours"] == texts["peer"], "ours_text": texts["ours"], "peer_text": texts["peer"]}
+           "same_text": same_reply(texts["ours"], texts["peer"], bundle), "ours_text": texts["ours"],
+           "peer_text": texts["peer"]}
     row["rss_goal_mib"] = (round(art_mib + RSS_HEADROOM_MIB, 1) if backend != "executorch"
                            else row["peer_peak_rss_mib"])
     row["rss_goal_met"] = row["ours_peak_rss_mib"] <= row["rss_goal_mib"]

@@ -12,6 +12,8 @@ before anything is loaded. The runtime never imports the exporters (`edgefinfer.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import threading
 from dataclasses import dataclass
@@ -158,6 +160,20 @@ def _import_runtime(kind: str | None) -> None:
         register_kernels()
 
 
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector paused while a backend's packages import and its weights load,
+    then restored as it was. torch's import (a .pte's runtime) allocates enough objects to trigger several
+    full collections that free nothing: 0.14 s of its 1.8 s of CPU on the 2-core host."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def _after(event: threading.Event, fn: Callable):
     """`fn()` once `event` is set."""
     event.wait()
@@ -255,7 +271,8 @@ class Engine:
         kv = kv if isinstance(kv, KVOption) else KVOption.parse(kv)
         spec = (speculative if isinstance(speculative, SpeculativeOption) or speculative is None
                 else SpeculativeOption.parse(speculative))
-        be, tok, info = open_backend(path, backend, kv, threads, max_seq_len)
+        with _collector_paused():
+            be, tok, info = open_backend(path, backend, kv, threads, max_seq_len)
         limit = getattr(be, "max_draft_tokens", None)
         if spec is not None and limit is not None and spec.k > limit:
             raise UserError(f"this window cache can roll back at most {limit} speculative tokens per step "
