@@ -31,10 +31,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--tokens", type=int, default=64)
     args = ap.parse_args()
-    from edgefinfer import reference
-    from edgefinfer.bundle import load_manifest
-    from edgefinfer.data import cache_dir, load_text
-    from edgefinfer.tokenizer import Tokenizer
+    from edgefinfer.model import reference
+    from edgefinfer.bundle.manifest import load_manifest
+    from edgefinfer.files.user_cache import cache_dir
+    from edgefinfer.data.corpora import load_text
+    from edgefinfer.tokenization.tokenizer import Tokenizer
     from onnx_vs_genai import genai_int4
 
     folder = reference.pull("smollm2-135m")

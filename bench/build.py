@@ -4,7 +4,7 @@
 
 Per target and recipe: bundle size, perplexity delta against the float model (measured by running the
 artefact in its own runtime on the same test tokens), host decode and prefill tokens/s, build time.
-Each target's default recipe (edgefinfer.targets) is a row, beside the alternatives it was chosen over,
+Each target's default recipe (edgefinfer.bundle.targets) is a row, beside the alternatives it was chosen over,
 and `--quality-budget 5` on android is a row of its own (the recipe it picked, measured the same way).
 ExecuTorch lowers SmolLM2 in 6-11 minutes on 2 cores, so the .pte rows are the android default, the
 budget build (a program-cache hit when it picks the default) and the 8-bit alternative.
@@ -48,8 +48,8 @@ QUICK = [("linux-x86_64", "int4-g32"), ("gpu-server", "int4-g32-sym"), ("gpu-ser
 
 def bundle_row(target: str, recipe: str, out: Path, folder: Path, eval_tokens: int, threads: int) -> dict:
     from edgefinfer.app.build import BuildOptions, build
-    from edgefinfer.bundle import load_manifest
-    from edgefinfer.targets import get_target
+    from edgefinfer.bundle.manifest import load_manifest
+    from edgefinfer.bundle.targets import get_target
 
     budget = float(recipe.split(":")[1]) if recipe.startswith("budget:") else None
     chosen = None if budget is not None else get_target(target).recipe if recipe == DEFAULT else recipe
@@ -74,10 +74,10 @@ def gguf_vs_llamacpp_quantizer(folder: Path, work: Path, eval_tokens: int, threa
     import llama_cpp
 
     from edgefinfer.app.build import _perplexity_of, _test_tokens
-    from edgefinfer.checkpoint import load_model
+    from edgefinfer.model.checkpoint import load_model
     from edgefinfer.compile.gguf_export import export_gguf
     from edgefinfer.runtime.backends.llamacpp import LlamaCppBackend
-    from edgefinfer.tokenizer import Tokenizer
+    from edgefinfer.tokenization.tokenizer import Tokenizer
 
     work.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer.from_dir(folder)
@@ -112,9 +112,9 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    from edgefinfer import reference
-    from edgefinfer.data import cache_dir
-    from edgefinfer.targets import get_target
+    from edgefinfer.model import reference
+    from edgefinfer.files.user_cache import cache_dir
+    from edgefinfer.bundle.targets import get_target
 
     folder = reference.pull("smollm2-135m")
     work = cache_dir() / "bench" / "build"

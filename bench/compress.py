@@ -66,7 +66,7 @@ def speculative_acceptance(teacher, draft, prompts: list[list[int]], new_tokens:
     """Greedy speculative decoding (k drafts per round) with static caches; returns acceptance counters."""
     import torch
 
-    from edgefinfer.cache import StaticCache
+    from edgefinfer.model.kv_cache import StaticCache
     from edgefinfer.runtime.speculative.proposers import DraftModelProposer, torch_model_step
     from edgefinfer.runtime.speculative.verify import SpecStats, verify_greedy
 
@@ -99,17 +99,18 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    from edgefinfer import reference
-    from edgefinfer.checkpoint import load_model, save_model
-    from edgefinfer.data import cache_dir, load_text
+    from edgefinfer.model import reference
+    from edgefinfer.model.checkpoint import load_model, save_model
+    from edgefinfer.files.user_cache import cache_dir
+    from edgefinfer.data.corpora import load_text
     from edgefinfer.distill.pipeline import DistillOptions, distill_checkpoint
     from edgefinfer.distill.trainer import TrainConfig
-    from edgefinfer.evaluate import compare, perplexity
+    from edgefinfer.data.evaluate import compare, perplexity
     from edgefinfer.prune.calibration import calibration_blocks
     from edgefinfer.prune.pipeline import PruneOptions, prune_model
     from edgefinfer.prune.unstructured import linear_weights
     from edgefinfer.prune.masks import sparsity_of
-    from edgefinfer.tokenizer import Tokenizer
+    from edgefinfer.tokenization.tokenizer import Tokenizer
 
     S = QUICK if args.quick else FULL
     t_start = time.perf_counter()

@@ -37,9 +37,9 @@ def f16_gguf(src: Path, dest: Path) -> Path:
 def bench_eager(folder: Path, prompt: list[int], n_decode: int, repeats: int) -> dict:
     import torch
 
-    from edgefinfer.cache import StaticCache
-    from edgefinfer.checkpoint import load_model
-    from edgefinfer.eager_decode import decode_one_token, prefill
+    from edgefinfer.model.kv_cache import StaticCache
+    from edgefinfer.model.checkpoint import load_model
+    from edgefinfer.decoding.eager import decode_one_token, prefill
 
     model = load_model(folder)
     cfg = model.config
@@ -120,11 +120,11 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    from edgefinfer import reference
-    from edgefinfer.data import load_text
-    from edgefinfer.evaluate import perplexity
-    from edgefinfer.checkpoint import load_model
-    from edgefinfer.tokenizer import Tokenizer
+    from edgefinfer.model import reference
+    from edgefinfer.data.corpora import load_text
+    from edgefinfer.data.evaluate import perplexity
+    from edgefinfer.model.checkpoint import load_model
+    from edgefinfer.tokenization.tokenizer import Tokenizer
 
     prompt_len, n_decode, repeats = (64, 16, 1) if args.quick else (128, 64, 3)
     ppl_tokens = 1024 if args.quick else 8192

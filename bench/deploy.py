@@ -36,8 +36,8 @@ WORK = Path(__file__).resolve().parent.parent / "dist" / "bench-deploy"
 
 def one_layer_model(folder: Path) -> Path:
     """The reference model cut to its first decoder layer (for --quick)."""
-    from edgefinfer.checkpoint import load_model, save_model
-    from edgefinfer.reference import pull
+    from edgefinfer.model.checkpoint import load_model, save_model
+    from edgefinfer.model.reference import pull
 
     source = pull("smollm2-135m")
     if not (folder / "config.json").is_file():
@@ -67,7 +67,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=None, help="greedy tokens per prompt (default 32, quick 12)")
     args = ap.parse_args()
     from edgefinfer.app.peer_runners import check_bundle
-    from edgefinfer.quiet import quiet
+    from edgefinfer.libraries.quiet import quiet
 
     targets = [t for t in args.targets.split(",") if t]
     tokens = args.tokens or (12 if args.quick else 32)

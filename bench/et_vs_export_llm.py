@@ -237,11 +237,11 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    from edgefinfer.checkpoint import load_model
-    from edgefinfer.data import cache_dir
-    from edgefinfer.reference import pull
+    from edgefinfer.model.checkpoint import load_model
+    from edgefinfer.files.user_cache import cache_dir
+    from edgefinfer.model.reference import pull
     from edgefinfer.runtime.backends.executorch import register_kernels, set_threads
-    from edgefinfer.tokenizer import Tokenizer
+    from edgefinfer.tokenization.tokenizer import Tokenizer
 
     hf_dir = args.model or pull("smollm2-135m")
     work = args.work or cache_dir() / "bench" / "et_vs_export_llm"

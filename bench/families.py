@@ -62,7 +62,7 @@ def backend_row(backend, model) -> tuple[float, bool]:
 
 
 def path_transformers(name: str, tmp: Path):
-    from edgefinfer.checkpoint import load_model
+    from edgefinfer.model.checkpoint import load_model
 
     ref = save_hf(name, tmp / "hf")
     ours = load_model(tmp / "hf")
@@ -74,7 +74,7 @@ def path_transformers(name: str, tmp: Path):
 
 
 def path_llamacpp(name: str, tmp: Path):
-    from edgefinfer.checkpoint import load_model
+    from edgefinfer.model.checkpoint import load_model
     from edgefinfer.compile.gguf_export import export_gguf
     from edgefinfer.runtime.backends.llamacpp import LlamaCppBackend
 
@@ -86,7 +86,7 @@ def path_llamacpp(name: str, tmp: Path):
 
 
 def _model(name: str, tmp: Path):
-    from edgefinfer.checkpoint import load_model
+    from edgefinfer.model.checkpoint import load_model
 
     if not (tmp / "hf").is_dir():
         save_hf(name, tmp / "hf")

@@ -106,7 +106,7 @@ def results(*, demo_s: float, parts: dict, cached_build_s: float, cached_parts: 
 
 
 def write_json(path: Path, payload: dict) -> Path:
-    from edgefinfer.atomic import write_bytes
+    from edgefinfer.files.atomic import write_bytes
 
     write_bytes(Path(path), (json.dumps(payload, indent=2) + "\n").encode())
     return Path(path)

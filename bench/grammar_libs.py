@@ -32,7 +32,7 @@ STOP_IDS = [2, 0]  # <|im_end|>, <|endoftext|>
 
 
 def _llguidance(tokenizer, schemas, token_lists):
-    from edgefinfer.structured import Constraint, GrammarCompiler
+    from edgefinfer.decoding.structured import Constraint, GrammarCompiler
 
     t0 = time.perf_counter()
     compiler = GrammarCompiler(tokenizer, VOCAB, STOP_IDS)
@@ -87,8 +87,8 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    from edgefinfer import reference
-    from edgefinfer.tokenizer import Tokenizer
+    from edgefinfer.model import reference
+    from edgefinfer.tokenization.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_dir(reference.pull("smollm2-135m"))
     items = tasks()[: 10 if args.quick else None]

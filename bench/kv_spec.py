@@ -57,7 +57,7 @@ def max_concurrent(lengths: list[int], block_size: int, max_len: int, budget_tok
 
 
 def speculative(folder: Path, draft: Path | None, n_tokens: int, threads: int) -> dict:
-    from edgefinfer.data import load_text
+    from edgefinfer.data.corpora import load_text
     from edgefinfer.runtime.engine import Engine
 
     # A task that repeats its input (quoting, summarising with citations, editing code): the prompt holds
@@ -98,8 +98,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--draft", type=Path, default=None, help="draft model folder (default: the distilled student)")
     args = ap.parse_args()
-    from edgefinfer import reference
-    from edgefinfer.data import cache_dir
+    from edgefinfer.model import reference
+    from edgefinfer.files.user_cache import cache_dir
 
     block_size, max_len, budget = 16, 2048, 65536
     lengths = workload(200 if args.quick else 2000, max_len)

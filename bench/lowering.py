@@ -26,8 +26,8 @@ import dataclasses, json, sys, tempfile, time
 from pathlib import Path
 import torch
 torch.set_num_threads(1)
-from edgefinfer import reference
-from edgefinfer.checkpoint import load_model
+from edgefinfer.model import reference
+from edgefinfer.model.checkpoint import load_model
 from edgefinfer.compile.et_quant import scheme_of
 from edgefinfer.compile.executorch_export import export_pte, pte_delegates
 from edgefinfer.compile.quant.apply import quantize_model

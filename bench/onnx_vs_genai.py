@@ -42,7 +42,7 @@ def folder_bytes(folder: Path) -> int:
 
 
 def build_ours(hf_dir: Path, out: Path, block_size: int) -> float:
-    from edgefinfer.checkpoint import load_model
+    from edgefinfer.model.checkpoint import load_model
     from edgefinfer.compile.onnx_export import export_onnx
 
     t0 = time.perf_counter()
@@ -110,7 +110,7 @@ def decode_genai(folder: Path, prompt: list[int], n: int, threads: int) -> tuple
 
 def quality(hf_dir: Path, folders: dict[str, Path], tokens: list[int]) -> dict[str, dict[str, float]]:
     """Teacher-forced top-1 agreement and mean |logit diff| of each folder against the float eager model."""
-    from edgefinfer.checkpoint import load_model
+    from edgefinfer.model.checkpoint import load_model
     from edgefinfer.runtime.backends.ort import OrtBackend
     from edgefinfer.runtime.backends.torch_eager import TorchBackend
 
@@ -127,11 +127,11 @@ def run(hf_dir: str | Path | None = None, work_dir: str | Path | None = None, *,
         n_prompt: int = 16, n_decode: int = 64, rounds: int = 5, threads: int = 1,
         rebuild: bool = False) -> dict[str, Any]:
     """Build both int4 models (cached in `work_dir`) and measure decode ms/token; returns the figures."""
-    from edgefinfer.data import cache_dir
-    from edgefinfer.tokenizer import Tokenizer
+    from edgefinfer.files.user_cache import cache_dir
+    from edgefinfer.tokenization.tokenizer import Tokenizer
 
     if hf_dir is None:
-        from edgefinfer.reference import pull
+        from edgefinfer.model.reference import pull
 
         hf_dir = pull("smollm2-135m")
     hf_dir = Path(hf_dir)

@@ -14,7 +14,7 @@ Models:
   or made here the same way (about 10 minutes) when it is missing. Only the headline rows.
 
 Calibration: token blocks of `calib-mix` (Austen, Shakespeare, the KJV Old Testament and docutils'
-code, interleaved; edgefinfer.data), except the row marked `calib=austen` (the Austen-only `calib`
+code, interleaved; edgefinfer.data.corpora), except the row marked `calib=austen` (the Austen-only `calib`
 split, for comparison). Judged on four held-out domains that share no text with either calibration
 split: `test` (Persuasion: the existing test_ppl / kl / top-1 keys), `plays` (Shakespeare not in the
 mix), `bible` (KJV New Testament), `code` (requests' source); disjoint windows of 512 tokens.
@@ -130,8 +130,8 @@ def student_model(folder: Path, tok) -> tuple[object, dict]:
     or made here with its settings (structured pruning to half the parameters, then distillation)."""
     from compress import FULL as COMPRESS, STRUCTURED
 
-    from edgefinfer.checkpoint import load_model, save_model
-    from edgefinfer.data import cache_dir
+    from edgefinfer.model.checkpoint import load_model, save_model
+    from edgefinfer.files.user_cache import cache_dir
     from edgefinfer.distill.pipeline import DistillOptions, distill_checkpoint
     from edgefinfer.distill.trainer import TrainConfig
     from edgefinfer.prune.calibration import calibration_blocks
@@ -289,10 +289,10 @@ def main() -> None:
     opts = QUICK if args.quick else FULL
     names = (args.add or args.only).split(",") if (args.add or args.only) else QUICK_RECIPES if args.quick else FULL_RECIPES
 
-    from edgefinfer.checkpoint import load_model
-    from edgefinfer.data import load_text, token_blocks
-    from edgefinfer.reference import pull
-    from edgefinfer.tokenizer import Tokenizer
+    from edgefinfer.model.checkpoint import load_model
+    from edgefinfer.data.corpora import load_text, token_blocks
+    from edgefinfer.model.reference import pull
+    from edgefinfer.tokenization.tokenizer import Tokenizer
 
     t0 = time.perf_counter()
     folder = pull("smollm2-135m")

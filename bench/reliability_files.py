@@ -73,7 +73,7 @@ class Tally:
 
 def bundle_corpus(work: Path) -> dict:
     import tests.test_bundle_hostile as tb
-    from edgefinfer.bundle import MANIFEST, load_manifest
+    from edgefinfer.bundle.manifest import MANIFEST, load_manifest
 
     tally = Tally()
     for name, edit in tb.MANIFEST_EDITS.items():
@@ -92,9 +92,9 @@ def bundle_corpus(work: Path) -> dict:
 
 def model_file_corpus(work: Path, model_dir: Path, gpu: Path) -> dict:
     import tests.test_model_files_hostile as tm
-    from edgefinfer.checkpoint import load_model
-    from edgefinfer.gguf_import import open_gguf
-    from edgefinfer.tokenizer import Tokenizer
+    from edgefinfer.model.checkpoint import load_model
+    from edgefinfer.model.gguf_import import open_gguf
+    from edgefinfer.tokenization.tokenizer import Tokenizer
 
     tally = Tally()
     data = (gpu / "model.gguf").read_bytes()
@@ -147,7 +147,7 @@ def fuzz_manifest(good: dict, examples: int) -> dict:
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    from edgefinfer.bundle import parse_manifest
+    from edgefinfer.bundle.manifest import parse_manifest
 
     json_values = st.recursive(
         st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True) | st.text(max_size=20),
@@ -181,8 +181,8 @@ def fuzz_gguf(good: bytes, work: Path, examples: int) -> tuple[dict, list[Path]]
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    from edgefinfer.gguf_import import open_gguf
-    from edgefinfer.model_files import check_gguf
+    from edgefinfer.model.gguf_import import open_gguf
+    from edgefinfer.files.untrusted import check_gguf
 
     header_end = min(len(good), 8192)  # metadata + tensor infos of the tiny model's GGUF
     spans = st.lists(st.tuples(st.integers(0, header_end - 1), st.binary(min_size=1, max_size=8)), min_size=1,
@@ -245,7 +245,7 @@ def llama_on(files: list[Path]) -> dict:
 
 # ---- run ------------------------------------------------------------------------------------------------
 def run(quick: bool) -> dict:
-    from edgefinfer.bundle import load_manifest
+    from edgefinfer.bundle.manifest import load_manifest
     from tests.files_harness import build_old_bundle, disk_full_trial, kill9_trials, make_tiny_model_dir
     from tests.test_model_files_hostile import LLAMA_CPP_ABORTS, GGUF_EDITS
 

@@ -49,13 +49,13 @@ def main() -> None:
     opts = QUICK if args.quick else FULL
     bases = args.recipes.split(",") if args.recipes else QUICK_RECIPES if args.quick else FULL_RECIPES
 
-    from edgefinfer.checkpoint import load_model
+    from edgefinfer.model.checkpoint import load_model
     from edgefinfer.compile.quant.apply import quantize_model
     from edgefinfer.compile.quant.recipe import RotationSettings, parse_recipe
     from edgefinfer.compile.quant.report import float_size_bytes
-    from edgefinfer.data import load_text, token_blocks
-    from edgefinfer.reference import pull
-    from edgefinfer.tokenizer import Tokenizer
+    from edgefinfer.data.corpora import load_text, token_blocks
+    from edgefinfer.model.reference import pull
+    from edgefinfer.tokenization.tokenizer import Tokenizer
 
     t0 = time.perf_counter()
     folder = Path(args.model) if args.model else pull("smollm2-135m")

@@ -65,7 +65,7 @@ def child_ours(backend_kind: str, path: str, prompt: list[int], n: int, threads:
 
     backend.forward = timed_forward
     list(generate_tokens(backend, prompt, 4))  # warm-up
-    from edgefinfer.generation import GenerationStats
+    from edgefinfer.decoding.generation import GenerationStats
 
     stats = GenerationStats()
     inner["s"] = 0.0
@@ -264,9 +264,10 @@ def main() -> None:
         run_child(args)
         return
 
-    from edgefinfer import reference
-    from edgefinfer.data import cache_dir, load_text
-    from edgefinfer.tokenizer import Tokenizer
+    from edgefinfer.model import reference
+    from edgefinfer.files.user_cache import cache_dir
+    from edgefinfer.data.corpora import load_text
+    from edgefinfer.tokenization.tokenizer import Tokenizer
 
     folder = reference.pull("smollm2-135m")
     work = cache_dir() / "bench" / "runtime"

@@ -109,7 +109,7 @@ class Workload:
 def end_tokens(meta, tokenizer) -> tuple[int, ...]:
     """The GGUF's end-of-sequence token ids: what every benchmark request bans, so that every server
     writes exactly max_tokens tokens."""
-    from edgefinfer.gguf_import import config_from_gguf
+    from edgefinfer.model.gguf_import import config_from_gguf
 
     ends = [tokenizer.eos_id, tokenizer.token_id("<|endoftext|>"), *config_from_gguf(meta).eos_token_ids]
     return tuple(sorted({t for t in ends if t is not None}))
@@ -355,7 +355,7 @@ def kv_stats(server: ServerProcess) -> dict:
 
 # ------------------------------------------------------------------------------------- kv capacity
 def kv_bytes_per_cell(gguf: Path, dtype_bytes: int = 2) -> int:
-    from edgefinfer.gguf_import import config_from_gguf, open_gguf
+    from edgefinfer.model.gguf_import import config_from_gguf, open_gguf
 
     cfg = config_from_gguf(open_gguf(gguf))
     head_dim = cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
@@ -483,8 +483,8 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     from bench.peers import llama_server
-    from edgefinfer import reference
-    from edgefinfer.gguf_import import open_gguf, tokenizer_from_gguf
+    from edgefinfer.model import reference
+    from edgefinfer.model.gguf_import import open_gguf, tokenizer_from_gguf
 
     SLOTS = args.slots
     gguf = Path(args.model) if args.model else reference.gguf_path("smollm2-135m")

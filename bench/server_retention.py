@@ -20,8 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import bench.server as sb  # noqa: E402
-from edgefinfer import reference  # noqa: E402
-from edgefinfer.gguf_import import open_gguf, tokenizer_from_gguf  # noqa: E402
+from edgefinfer.model import reference  # noqa: E402
+from edgefinfer.model.gguf_import import open_gguf, tokenizer_from_gguf  # noqa: E402
 
 SEQUENCE = ("shared-system", "short", "short", "shared-system", "short", "short", "shared-system")
 

@@ -314,8 +314,8 @@ def main() -> None:
     # A SIGTERM (`timeout`, CI) unwinds like Ctrl-C: every server and Ray process is stopped on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
-    from edgefinfer import reference
-    from edgefinfer.gguf_import import open_gguf, tokenizer_from_gguf
+    from edgefinfer.model import reference
+    from edgefinfer.model.gguf_import import open_gguf, tokenizer_from_gguf
 
     gguf = Path(args.model) if args.model else reference.gguf_path("smollm2-135m")
     meta = open_gguf(gguf)

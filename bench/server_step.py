@@ -136,9 +136,9 @@ def main() -> None:
     requests = args.requests or (2 if args.quick else 5)
     max_tokens = args.max_tokens or (16 if args.quick else 64)
 
-    from edgefinfer import reference
+    from edgefinfer.model import reference
     import edgefinfer.server_gpu.scheduler as scheduler_module
-    from edgefinfer.sampling import SamplingParams
+    from edgefinfer.decoding.sampling import SamplingParams
     from edgefinfer.server_gpu.loader import ServeOptions, build_engine
     from edgefinfer.server_gpu.request import GenerationParams
 

@@ -69,7 +69,7 @@ def messages(n: int) -> list[str]:
 
 
 def artefact(backend: str, bundles: Path, threads: int) -> Path:
-    from edgefinfer import reference
+    from edgefinfer.model import reference
 
     if backend == "torch":
         return reference.pull("smollm2-135m")
@@ -109,7 +109,7 @@ def run_backend(backend: str, path: Path, threads: int, quick: bool) -> dict:
         return ids, session.last.ttft_s
 
     def stateless(history: list[dict]) -> tuple[list[int], float]:
-        from edgefinfer.generation import Generation
+        from edgefinfer.decoding.generation import Generation
 
         result = Generation("", [], "length")
         ids = reply(lambda on: engine.stream_ids(encode_messages(engine.tokenizer, history), n_reply, on_token=on,
@@ -177,7 +177,7 @@ def run_backend(backend: str, path: Path, threads: int, quick: bool) -> dict:
 
 # ---- start-up: process start to first token, peak RSS, measured from outside ---------------------------
 def startup_prompt(bundle: Path) -> str:
-    from edgefinfer.tokenizer import Tokenizer
+    from edgefinfer.tokenization.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(bundle)
     return tok.apply_chat_template([{"role": "user", "content": STARTUP_QUESTION}])
@@ -186,7 +186,7 @@ def startup_prompt(bundle: Path) -> str:
 def same_reply(ours: str, peer: str, bundle: Path) -> bool:
     """The two replies are the same text. TextLLMRunner prints the end-of-sequence token it stops on
     (`<|im_end|>`) where `edgefinfer run` stops without printing it: that token alone does not count."""
-    from edgefinfer.tokenizer import Tokenizer
+    from edgefinfer.tokenization.tokenizer import Tokenizer
 
     eos = Tokenizer.from_dir(bundle).eos_token
     return ours == peer or (bool(eos) and ours == peer.removesuffix(eos).rstrip())
@@ -194,7 +194,7 @@ def same_reply(ours: str, peer: str, bundle: Path) -> bool:
 
 def artefact_bytes(bundle: Path, backend: str) -> int:
     """The weights' bytes: every file of the bundle's artefact (an ONNX graph and its external data)."""
-    from edgefinfer.bundle import load_manifest
+    from edgefinfer.bundle.manifest import load_manifest
 
     manifest = load_manifest(bundle, verify=False)
     files = [a for a in manifest.artefacts if a.backend == backend or a.format in ("onnx-data", "onnx_data")]
@@ -356,7 +356,7 @@ def main() -> None:
     ap.add_argument("--startup-only", action="store_true", help="only the start-up rows (the session rows are kept)")
     ap.add_argument("--runs", type=int, default=3, help="start-up runs of each runner")
     args = ap.parse_args()
-    from edgefinfer.data import cache_dir
+    from edgefinfer.files.user_cache import cache_dir
 
     bundles = args.bundles or cache_dir() / "bench" / "sessions"
     load_start = [round(x, 2) for x in os.getloadavg()]

@@ -76,7 +76,7 @@ def unconstrained_valid(text: str | None, schema: dict) -> bool:
 def generate_unconstrained(engine, prompt: str):
     """Greedy, unconstrained, stopped as soon as the reply's first object is complete (what the judge
     reads); a reply that never closes one runs to MAX_TOKENS."""
-    from edgefinfer.generation import Generation
+    from edgefinfer.decoding.generation import Generation
 
     result = Generation("", [], "length")
     stream = engine.stream(prompt, max_tokens=MAX_TOKENS, chat=True, result=result)
@@ -182,7 +182,7 @@ def main() -> None:
     args = ap.parse_args()
     MAX_TOKENS = args.max_tokens
 
-    from edgefinfer import reference
+    from edgefinfer.model import reference
     from edgefinfer.runtime.engine import Engine
 
     items = tasks()[::8][:6] if args.quick else tasks()

@@ -32,12 +32,12 @@ PROMPT_TOKENS = 64
 
 def artefacts(window: int, total: int) -> dict[str, Path]:
     """Export (once) the three artefacts; returns name -> path."""
-    from edgefinfer import reference
-    from edgefinfer.checkpoint import load_model
+    from edgefinfer.model import reference
+    from edgefinfer.model.checkpoint import load_model
     from edgefinfer.compile.executorch_export import export_pte
     from edgefinfer.compile.onnx_export import export_onnx
-    from edgefinfer.data import cache_dir
-    from edgefinfer.tokenizer import Tokenizer
+    from edgefinfer.files.user_cache import cache_dir
+    from edgefinfer.tokenization.tokenizer import Tokenizer
 
     folder = reference.pull("smollm2-135m")
     root = cache_dir() / "bench" / "window_stream"
@@ -62,9 +62,9 @@ def artefacts(window: int, total: int) -> dict[str, Path]:
 
 
 def prompt_ids() -> list[int]:
-    from edgefinfer import reference
-    from edgefinfer.data import load_text
-    from edgefinfer.tokenizer import Tokenizer
+    from edgefinfer.model import reference
+    from edgefinfer.data.corpora import load_text
+    from edgefinfer.tokenization.tokenizer import Tokenizer
 
     return Tokenizer.from_dir(reference.pull("smollm2-135m")).encode(load_text("test")[:2000])[:PROMPT_TOKENS]
 
@@ -72,7 +72,7 @@ def prompt_ids() -> list[int]:
 def child(path: str, prompt: list[int], n_tokens: int, threads: int) -> None:
     """Stream `n_tokens` and print one JSON line: RSS samples and decode speed. Imports only the
     runtime (the ONNX Runtime path then runs without torch)."""
-    from edgefinfer.generation import GenerationStats
+    from edgefinfer.decoding.generation import GenerationStats
     from edgefinfer.runtime.decode import generate_tokens
     from edgefinfer.runtime.engine import Engine, rss_mb
 

@@ -38,8 +38,8 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 from torch import nn
 
-from edgefinfer import artefact
-from edgefinfer.atomic import atomic_dir, copy_file
+from edgefinfer.bundle import artefact
+from edgefinfer.files.atomic import atomic_dir, copy_file
 from edgefinfer.errors import UserError
 
 ENTRY_FILE = "entry.json"
@@ -53,7 +53,7 @@ def _stderr(msg: str) -> None:
 
 
 def default_root() -> Path:
-    from edgefinfer.data import cache_dir
+    from edgefinfer.files.user_cache import cache_dir
 
     return cache_dir() / "artefacts"
 
@@ -62,7 +62,7 @@ def default_root() -> Path:
 
 def content_key(kind: str, model: nn.Module, options: Mapping[str, Any], sources: Iterable[str | Path]) -> str:
     """Content hash of the model (tensors, module types, config), the options, the tool versions and the
-    source of the exporter (`sources`: module files; this cache and edgefinfer.artefact always count)."""
+    source of the exporter (`sources`: module files; this cache and edgefinfer.bundle.artefact always count)."""
     h = hashlib.blake2b(digest_size=20)
     h.update(f"{kind};".encode())
     h.update(json.dumps(options, sort_keys=True, default=_option_text).encode())

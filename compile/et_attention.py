@@ -22,7 +22,7 @@ and hands the attention core to an export cache, with the layer's attention scal
 Windows are per layer (Gemma 3 interleaves sliding and global layers): `begin` builds one mask per
 distinct window of the forward and each layer attends under its own. Under the ring cache a layer
 applies the tighter of its own window and the ring's, so a global layer sees the ring's window
-(`edgefinfer.cache.effective_window`, the runtime's `--kv window:N` policy).
+(`edgefinfer.model.kv_cache.effective_window`, the runtime's `--kv window:N` policy).
 
 The ring cache writes a chunk before attending, so a chunk must not overwrite history its own
 first query still needs: a chunk holds at most `lookahead + 1` tokens (`max_chunk`), enforced by
@@ -32,7 +32,7 @@ of a copy of the whole cache per step.)
 
 Rollback and reset need no call on either cache: entries at positions >= the chunk's first
 position are invisible (causality for the static cache, the `slot_pos >= start` rule for the
-ring), exactly the contract of `edgefinfer.cache`.
+ring), exactly the contract of `edgefinfer.model.kv_cache`.
 """
 
 from __future__ import annotations
@@ -43,10 +43,10 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from edgefinfer.cache import effective_window, may_attend
-from edgefinfer.config import ModelConfig
+from edgefinfer.model.kv_cache import effective_window, may_attend
+from edgefinfer.model.config import ModelConfig
 from edgefinfer.errors import UserError
-from edgefinfer.model import Attention, RopeTables, Transformer
+from edgefinfer.model.transformer import Attention, RopeTables, Transformer
 
 
 def load_custom_ops() -> None:
@@ -56,7 +56,7 @@ def load_custom_ops() -> None:
 
 def _additive_mask(query_pos: Tensor, key_pos: Tensor, window: int | None, num_sinks: int) -> Tensor:
     """query positions [S], key positions [T] (-1 = empty slot) -> float32 [S, T] in custom_sdpa's form:
-    0 where `edgefinfer.cache.may_attend` lets a query see a key, -inf elsewhere."""
+    0 where `edgefinfer.model.kv_cache.may_attend` lets a query see a key, -inf elsewhere."""
     allowed = may_attend(query_pos[:, None], key_pos[None, :], window, num_sinks)  # [S, T]
     return torch.where(allowed, 0.0, float("-inf"))
 

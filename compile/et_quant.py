@@ -30,7 +30,7 @@ from torch import nn
 from edgefinfer.compile.quant import QuantEmbedding, QuantLinear, QuantRecipe, WeightFormat, quantize_model
 from edgefinfer.compile.quant.modules import Fp8Linear
 from edgefinfer.errors import UserError
-from edgefinfer.model import Transformer
+from edgefinfer.model.transformer import Transformer
 
 
 

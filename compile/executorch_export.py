@@ -45,22 +45,44 @@ from typing import Any, Callable, Iterator, Literal
 import torch
 from torch import nn
 
-from edgefinfer.artefact import ArtefactSpec, KVSpec, Layout, write_spec
+from edgefinfer.bundle.artefact import ArtefactSpec, KVSpec, Layout, write_spec
 from edgefinfer.compile.et_attention import EtRingCache, EtStaticCache, ExportableLM, swap_attention
-from edgefinfer.atomic import write_bytes
+from edgefinfer.files.atomic import write_bytes
 from edgefinfer.compile.artefact_cache import ArtefactCache, content_key
 from edgefinfer.compile.et_quant import (QUANTIZED_SCHEMES, Scheme, check_xnnpack_layout, is_quantized,
                                          quantize_for_xnnpack, scheme_of)
 from edgefinfer.compile.vendor_sdks import require_sdk
-from edgefinfer.errors import UserError
-from edgefinfer.model import Transformer
+from edgefinfer.errors import UserChoice, UserError
+from edgefinfer.model.transformer import Transformer
 
 Delegate = Literal["xnnpack", "coreml", "neuropilot"]
 Progress = Callable[[str], None]
 
-# NeuroPilot recipes: static quantization by ExecuTorch's NeuropilotQuantizer (its `Precision` names).
-NEUROPILOT_RECIPES = {"qdq-a16w8": "A16W8", "qdq-a8w8": "A8W8", "qdq-a16w4": "A16W4", "qdq-a8w4": "A8W4",
-                      "qdq-a16w16": "A16W16"}
+
+
+class NeuropilotRecipe(UserChoice):
+    """NeuroPilot recipes: static activation + weight quantization by ExecuTorch's NeuropilotQuantizer,
+    calibrated on text. The value is the recipe as the user names it; the member's name is the
+    quantizer's `Precision` (A16W8: uint16 activations, int8 weights). A StrEnum: written (manifest,
+    cache key) as its value."""
+
+    A16W8 = "qdq-a16w8"
+    A8W8 = "qdq-a8w8"
+    A16W4 = "qdq-a16w4"
+    A8W4 = "qdq-a8w4"
+    A16W16 = "qdq-a16w16"
+
+    @classmethod
+    def refusal(cls, text: object) -> str:
+        return f"recipe {text!r} is not a NeuroPilot recipe: use one of {', '.join(cls)}"
+
+    @property
+    def precision(self) -> str:
+        """The name of ExecuTorch's `executorch.backends.mediatek.Precision` member."""
+        return self.name
+
+
+NEUROPILOT_RECIPES: tuple[NeuropilotRecipe, ...] = tuple(NeuropilotRecipe)
 NEUROPILOT_PLATFORMS = ("mt6989", "mt6991", "mt6993")  # what ExecuTorch 1.5.1's NeuropilotBackend accepts
 # MediaTek's own LLM export passes these to its Neuron compiler (gno: graph optimisations).
 NEUROPILOT_COMPILE_OPTIONS = (("gno", b"LTS"), ("gno-exp", b""), ("gno-non-4d-tiling", b""))
@@ -75,7 +97,8 @@ RUNTIME_KERNEL_MODULES = ("executorch.kernels.quantized", "executorch.extension.
 
 # ---- public API ----------------------------------------------------------------------------------------
 
-def export_pte(model: Transformer, out_path: str | Path, *, recipe: Scheme | str = Scheme.FP32, group_size: int = 32,
+def export_pte(model: Transformer, out_path: str | Path, *, recipe: Scheme | NeuropilotRecipe | str = Scheme.FP32,
+               group_size: int = 32,
                embedding_4bit: bool = False, kv: Layout = Layout.STATIC, max_seq_len: int | None = None,
                window: int | None = None, num_sinks: int = 0, lookahead: int | None = None,
                backend: Delegate = "xnnpack", custom_ops: bool | None = None, all_logits: bool = True,
@@ -125,6 +148,29 @@ def export_pte(model: Transformer, out_path: str | Path, *, recipe: Scheme | str
         say(f"[executorch] cache hit {key[:12]}: copied {hit.files[PROGRAM]} ({meta['size_bytes'] / 2**20:.1f} MiB)")
         return meta
 
+    program, spec, methods = _program(model, opts, say, stages)
+    with _stage("write", say, stages):
+        write_bytes(out_path, program.buffer)
+    meta = {
+        **write_spec(spec, "manifest"),  # format, recipe, kv, inputs, outputs
+        **_program_meta(opts, methods),
+        "size_bytes": out_path.stat().st_size,
+        "stages_s": {k: round(v, 2) for k, v in stages.items()},
+        "build_s": round(time.perf_counter() - t0, 2),
+        "cache_key": key,
+        "cached": False,
+        "path": str(out_path),
+    }
+    if cache:
+        store.put("executorch", key, {PROGRAM: out_path}, meta)
+    say(f"[executorch] wrote {out_path} ({meta['size_bytes'] / 2**20:.2f} MiB) in {meta['build_s']:.1f}s")
+    return meta
+
+
+def _program(model: Transformer, opts: PteOptions, say: Progress, stages: dict[str, float]
+             ) -> tuple[Any, ArtefactSpec, dict[str, Any]]:
+    """The pipeline's stages 1-4 (the module doc), each timed into `stages`: (the ExecuTorch program,
+    its description, the constant methods that carry it)."""
     with _stage(f"quantize {opts.scheme}", say, stages):
         prepared = _prepare_weights(model, opts)
     with _stage("export", say, stages), _finite_mask(opts.delegate == "neuropilot"):
@@ -139,11 +185,12 @@ def export_pte(model: Transformer, out_path: str | Path, *, recipe: Scheme | str
         edge = _lower(exported, methods, opts)
     with _stage("to_executorch", say, stages):
         program = _to_executorch(edge)
-    with _stage("write", say, stages):
-        write_bytes(out_path, program.buffer)
+    return program, spec, methods
 
-    meta = {
-        **write_spec(spec, "manifest"),  # format, recipe, kv, inputs, outputs
+
+def _program_meta(opts: PteOptions, methods: dict[str, Any]) -> dict[str, Any]:
+    """What the manifest records of how the program was made (besides its spec, size and times)."""
+    return {
         "backend": "executorch",
         "delegate": opts.delegate,
         "scheme": opts.scheme,
@@ -153,17 +200,7 @@ def export_pte(model: Transformer, out_path: str | Path, *, recipe: Scheme | str
         "all_logits": opts.all_logits,
         "methods": methods,
         "kernel_modules": list(RUNTIME_KERNEL_MODULES),
-        "size_bytes": out_path.stat().st_size,
-        "stages_s": {k: round(v, 2) for k, v in stages.items()},
-        "build_s": round(time.perf_counter() - t0, 2),
-        "cache_key": key,
-        "cached": False,
-        "path": str(out_path),
     }
-    if cache:
-        store.put("executorch", key, {PROGRAM: out_path}, meta)
-    say(f"[executorch] wrote {out_path} ({meta['size_bytes'] / 2**20:.2f} MiB) in {meta['build_s']:.1f}s")
-    return meta
 
 
 def export_key(model: Transformer, opts: PteOptions) -> str:
@@ -173,7 +210,7 @@ def export_key(model: Transformer, opts: PteOptions) -> str:
 
 
 def artefact_spec(model: Transformer, opts: PteOptions) -> ArtefactSpec:
-    """The program's description, stored as its constant methods (`edgefinfer.artefact` writes them:
+    """The program's description, stored as its constant methods (`edgefinfer.bundle.artefact` writes them:
     ExecuTorch's runner keys and ours) and in the manifest."""
     cfg = model.config
     return ArtefactSpec("pte", opts.kv, recipe_name=opts.recipe_name, vocab_size=cfg.vocab_size,
@@ -205,7 +242,7 @@ class PteOptions:
     """`export_pte`'s options as `resolve_options` checked and normalised them: what every stage
     reads, and (all of it: each field may change the program's bytes) the cache key's input."""
 
-    scheme: Scheme | str  # ExecuTorch's scheme, or a NeuroPilot recipe (qdq-a16w8, ...)
+    scheme: Scheme | NeuropilotRecipe  # ExecuTorch's scheme (XNNPACK, Core ML), or NeuroPilot's recipe
     recipe_name: str  # as the manifest records it (8da4w-g32-emb4, "8da4w (pre-quantized)", qdq-a16w8)
     group_size: int | None
     embedding_4bit: bool
@@ -232,12 +269,12 @@ class PteOptions:
                       lookahead=self.lookahead, max_chunk=self.max_chunk)
 
 
-def resolve_options(model: Transformer, *, recipe: Scheme | str = Scheme.FP32, group_size: int = 32, embedding_4bit: bool = False,
-                    kv: Layout | str = Layout.STATIC, max_seq_len: int | None = None, window: int | None = None,
-                    num_sinks: int = 0, lookahead: int | None = None, backend: str = "xnnpack",
-                    custom_ops: bool | None = None, all_logits: bool = True, bos_id: int | None = None,
-                    eos_ids: list[int] | None = None, platform: str = "mt6989",
-                    calibration: list[list[int]] | None = None) -> PteOptions:
+def resolve_options(model: Transformer, *, recipe: Scheme | NeuropilotRecipe | str = Scheme.FP32,
+                    group_size: int = 32, embedding_4bit: bool = False, kv: Layout | str = Layout.STATIC,
+                    max_seq_len: int | None = None, window: int | None = None, num_sinks: int = 0,
+                    lookahead: int | None = None, backend: str = "xnnpack", custom_ops: bool | None = None,
+                    all_logits: bool = True, bos_id: int | None = None, eos_ids: list[int] | None = None,
+                    platform: str = "mt6989", calibration: list[list[int]] | None = None) -> PteOptions:
     """Check `export_pte`'s options up front (before minutes of lowering) and normalise them, once.
     Raises UserError with a one-line reason."""
     if backend not in ("xnnpack", "coreml", "neuropilot"):
@@ -320,15 +357,14 @@ def _special_ids(model: Transformer, bos_id: int | None, eos_ids: list[int] | No
     return dict(bos_id=-1 if bos is None else int(bos), eos_ids=tuple(int(e) for e in eos))
 
 
-def _neuropilot_options(model: Transformer, recipe: str, layout: Layout, max_seq_len: int | None, window: int | None,
-                        num_sinks: int, lookahead: int | None, custom_ops: bool | None, embedding_4bit: bool,
-                        all_logits: bool, bos_id: int | None, eos_ids: list[int] | None, platform: str,
-                        calibration: list[list[int]] | None) -> PteOptions:
+def _neuropilot_options(model: Transformer, recipe: NeuropilotRecipe | Scheme | str, layout: Layout,
+                        max_seq_len: int | None, window: int | None, num_sinks: int, lookahead: int | None,
+                        custom_ops: bool | None, embedding_4bit: bool, all_logits: bool, bos_id: int | None,
+                        eos_ids: list[int] | None, platform: str, calibration: list[list[int]] | None) -> PteOptions:
     """MediaTek NeuroPilot: a float model, quantized statically by NeuropilotQuantizer; a static cache and
     one token per call (the Neuron compiler takes fixed shapes; ExecuTorch's runner then prefills
     token by token), plain-op attention (the delegate cannot take ExecuTorch's custom ops)."""
-    if recipe not in NEUROPILOT_RECIPES:
-        raise UserError(f"recipe {recipe!r} is not a NeuroPilot recipe: use one of {', '.join(NEUROPILOT_RECIPES)}")
+    recipe = NeuropilotRecipe.parse(recipe)
     if platform not in NEUROPILOT_PLATFORMS:
         raise UserError(f"unknown MediaTek platform {platform!r}: use one of {', '.join(NEUROPILOT_PLATFORMS)}")
     if layout is not Layout.STATIC or window is not None or num_sinks or lookahead is not None:
@@ -344,7 +380,7 @@ def _neuropilot_options(model: Transformer, recipe: str, layout: Layout, max_seq
     if max_seq_len < 2:
         raise UserError(f"max_seq_len must be at least 2, got {max_seq_len}")
     streams = tuple(tuple(int(t) for t in s) for s in calibration) if calibration else None
-    return PteOptions(scheme=recipe, recipe_name=recipe, group_size=None, embedding_4bit=False, prequantized=False,
+    return PteOptions(scheme=recipe, recipe_name=str(recipe), group_size=None, embedding_4bit=False, prequantized=False,
                       layout=Layout.STATIC, max_seq_len=max_seq_len, max_chunk=1, window=None, num_sinks=0,
                       lookahead=None, delegate="neuropilot", custom_ops=False, all_logits=all_logits,
                       **_special_ids(model, bos_id, eos_ids), platform=platform, calibration=streams)
@@ -388,7 +424,7 @@ def _exportable(model: Transformer, opts: PteOptions) -> tuple[nn.Module, tuple,
                             EtRingCache(cfg, opts.window, opts.num_sinks, opts.lookahead))
         model = swap_attention(model)
     else:
-        from edgefinfer.cache import StaticCache
+        from edgefinfer.model.kv_cache import StaticCache
 
         cache = StaticCache(cfg, 1, opts.max_seq_len, trim=False)  # the window needs custom ops
     module = ExportableLM(model, cache, opts.all_logits).eval()
@@ -434,7 +470,7 @@ class _LinearMeanRMSNorm(nn.Module):
 def _delegable_norms(model: nn.Module) -> None:
     """Swap every RMSNorm (the block norms, the final norm, per-head q/k norms) for `_LinearMeanRMSNorm`.
     Mutates `model`: a private copy (`_prepare_weights`)."""
-    from edgefinfer.model import RMSNorm
+    from edgefinfer.model.transformer import RMSNorm
 
     for name, module in list(model.named_modules()):
         if type(module) is RMSNorm:
@@ -464,7 +500,7 @@ def _finite_mask(enabled: bool, value: float = -100.0) -> Iterator[None]:
     if not enabled:
         yield
         return
-    import edgefinfer.model as model_module
+    import edgefinfer.model.transformer as model_module
 
     boolean = model_module.attention_mask
     model_module.attention_mask = lambda *a, **kw: torch.where(boolean(*a, **kw), 0.0, value)
@@ -495,7 +531,7 @@ def _neuropilot_quantize(exported, example: tuple, opts: PteOptions, vocab_size:
             return model
 
     quantizer = FloatOnlyQuantizer()
-    quantizer.setup_precision(getattr(Precision, NEUROPILOT_RECIPES[opts.scheme]))
+    quantizer.setup_precision(getattr(Precision, opts.scheme.precision))
     prepared = prepare_pt2e(exported.module(), quantizer)
     streams = opts.calibration or [np.random.default_rng(0).integers(0, vocab_size, 64).tolist()]
     with torch.no_grad():

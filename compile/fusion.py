@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from edgefinfer.compile.quant.modules import QuantLinear
-from edgefinfer.model import Transformer
+from edgefinfer.model.transformer import Transformer
 
 
 def stack_rows(linears: list[nn.Module]) -> nn.Module | None:

@@ -23,7 +23,7 @@ differently (SmolLM3's no-RoPE period, Gemma 3's attention scale and embedding s
 one line (`gguf_expressible`) rather than written as a file that would compute another model.
 
 llama.cpp's `llama` and `smollm3` architectures rotate interleaved pairs where HF rotates halves, so q
-and k rows are permuted inside each head (the inverse of `edgefinfer.gguf_import.unpermute_qk`). The
+and k rows are permuted inside each head (the inverse of `edgefinfer.model.gguf_import.unpermute_qk`). The
 file is written to a temporary name and renamed into place.
 """
 
@@ -41,13 +41,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from edgefinfer.config import FULL, SLIDING, ModelConfig
+from edgefinfer.model.config import FULL, SLIDING, ModelConfig
 from edgefinfer.errors import UserError
-from edgefinfer.gguf_import import (_CONTROL, _PRE_SPLITS, _USER_DEFINED, FUSED_TENSORS, GEMMA3_LOCAL_THETA,
+from edgefinfer.model.gguf_import import (_CONTROL, _PRE_SPLITS, _USER_DEFINED, FUSED_TENSORS, GEMMA3_LOCAL_THETA,
                                     GEMMA3_SWA_PERIOD, PERMUTED_ARCHS, ROPE_SCALING_KEY, SMOLLM3_NO_ROPE_STEP,
                                     layer_tensor_names, llama3_rope_freqs)
-from edgefinfer.model import Transformer
-from edgefinfer.tokenizer import Tokenizer, prepends_space, sentencepiece_style
+from edgefinfer.model.transformer import Transformer
+from edgefinfer.tokenization.tokenizer import Tokenizer, prepends_space, sentencepiece_style
 
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 # llama.cpp ftypes reached by re-quantizing an F32 file with llama_model_quantize (its own rounding:
@@ -344,7 +344,7 @@ class GGUFExporter:
         """A SentencePiece-style BPE (Gemma: "▁" for spaces, byte fallback) as llama.cpp's `llama`
         vocabulary. llama.cpp merges the adjacent pair whose concatenation scores highest, so each
         token's score is minus the rank of the first merge that makes it: the same order as ours
-        (`edgefinfer.gguf_spm` orders merges by the scores it reads)."""
+        (`edgefinfer.tokenization.gguf_spm` orders merges by the scores it reads)."""
         gguf = self._gguf
         vocab: dict[str, int] = tokenizer.backend.get_vocab(with_added_tokens=True)
         size = max(self.config.vocab_size, max(vocab.values()) + 1)
@@ -435,7 +435,7 @@ class GGUFExporter:
 
     def write(self) -> Path:
         self._expect(State.WEIGHTS, "write")
-        from edgefinfer.atomic import atomic_file
+        from edgefinfer.files.atomic import atomic_file
 
         with atomic_file(self.path) as tmp:  # the writer opens its file here, at the temporary path
             self.writer.write_header_to_file(tmp)
@@ -532,7 +532,7 @@ def _export_k_quant(model: Transformer, tokenizer: Tokenizer, path: Path, dtype:
         import llama_cpp
     except ImportError:
         raise UserError(f"GGUF {dtype.upper()} needs llama.cpp's quantizer: pip install 'edgefinfer[llamacpp]'") from None
-    from edgefinfer.atomic import atomic_file
+    from edgefinfer.files.atomic import atomic_file
 
     f32 = path.with_name(f".{path.name}.f32-{os.getpid()}")
     try:
@@ -544,7 +544,7 @@ def _export_k_quant(model: Transformer, tokenizer: Tokenizer, path: Path, dtype:
                 raise UserError(f"llama.cpp could not quantize the model to {dtype.upper()}")
     finally:
         f32.unlink(missing_ok=True)
-    from edgefinfer.gguf_import import open_gguf
+    from edgefinfer.model.gguf_import import open_gguf
 
     counts: dict[str, int] = {}
     for t in open_gguf(path).reader.tensors:  # what llama.cpp chose per tensor (e.g. a different head type)

@@ -56,21 +56,42 @@ import onnx_ir as ir
 import torch
 from torch import nn
 
-from edgefinfer.artefact import ArtefactSpec, KVSpec, Layout, write_spec
-from edgefinfer.checkpoint import TOKENIZER_FILES
+from edgefinfer.bundle.artefact import ArtefactSpec, KVSpec, Layout, write_spec
+from edgefinfer.model.checkpoint import TOKENIZER_FILES
 from edgefinfer.compile.artefact_cache import cached_export
 from edgefinfer.compile.onnx_graph import MS_DOMAIN, GraphBuilder, ir_dtype, save_model
 from edgefinfer.compile.onnx_weights import (EmbeddingSpec, FloatEmbedding, FloatLinear, LinearSpec, NBitsLinear,
                                              QuantTable, concat_linears, embedding_spec, linear_spec, shares_codes,
                                              unpacked_zero_points)
 from edgefinfer.compile.quant.modules import QUANT_MODULES, QuantLinear
-from edgefinfer.config import ModelConfig
-from edgefinfer.errors import UserError
-from edgefinfer.model import Transformer
+from edgefinfer.model.config import ModelConfig
+from edgefinfer.errors import UserChoice, UserError
+from edgefinfer.model.transformer import Transformer
 
-Weights = Literal["fp32", "fp16", "int8", "int4"]
+
+
+class Weights(UserChoice):
+    """What `export_onnx` writes the linear layers as: float (fp32; fp16, whose graph also takes and
+    returns float16) or integer (int8 / int4: a float model is quantized first, round to nearest).
+    A StrEnum: written (metadata, manifest, cache key) as its name."""
+
+    FP32 = "fp32"
+    FP16 = "fp16"
+    INT8 = "int8"
+    INT4 = "int4"
+
+    @classmethod
+    def refusal(cls, text: object) -> str:
+        return f"unknown ONNX weights {text!r}: use one of {', '.join(cls)}"
+
+    @property
+    def bits(self) -> int | None:
+        """The integer width; None for float weights."""
+        return {Weights.INT8: 8, Weights.INT4: 4}.get(self)
+
+
 Stream = Any  # the residual stream as a DecoderForm carries it
-WEIGHTS: tuple[str, ...] = ("fp32", "fp16", "int8", "int4")
+WEIGHTS: tuple[Weights, ...] = tuple(Weights)
 MODEL_FILE = "model.onnx"
 GENAI_CONFIG = "genai_config.json"
 # onnxruntime-genai's `model.type` for each family: what its model builder writes (the architecture
@@ -88,7 +109,7 @@ CACHE_SOURCES = (Path(__file__), Path(__file__).with_name("onnx_graph.py"), Path
 
 
 @cached_export("onnx", CACHE_SOURCES, bypass=("tokenizer_dir",))  # the tokenizer files are not in the key
-def export_onnx(model: Transformer, out_dir: str | Path, *, weights: Weights | None = None, block_size: int = 32,
+def export_onnx(model: Transformer, out_dir: str | Path, *, weights: Weights | str | None = None, block_size: int = 32,
                 symmetric: bool = True, embedding: Literal["float", "int8", "int4"] | None = None,
                 kv: Layout = Layout.STATIC, window: int | None = None, lookahead: int | None = None,
                 max_seq_len: int | None = None, accuracy_level: int = 4,
@@ -120,9 +141,10 @@ def export_onnx(model: Transformer, out_dir: str | Path, *, weights: Weights | N
     """
     cfg = model.config
     kv = Layout.parse(kv)
+    weights = None if weights is None else Weights.parse(weights)
     streams = kv is Layout.WINDOW
     model, recipe = _resolve_weights(model, weights, block_size, symmetric, embedding)
-    io_dtype = np.float16 if weights == "fp16" else np.float32
+    io_dtype = np.float16 if weights is Weights.FP16 else np.float32
     if window is not None and window < 1:
         raise UserError(f"the attention window must be >= 1 token, got {window}")
     slots = _cache_slots(kv, cfg.sliding_window if window is None else window, lookahead, max_seq_len)
@@ -265,22 +287,21 @@ def _weights_label(model: nn.Module) -> str:
     return "+".join(formats) if formats else "fp32"
 
 
-def _resolve_weights(model: Transformer, weights: str | None, block_size: int, symmetric: bool,
+def _resolve_weights(model: Transformer, weights: Weights | None, block_size: int, symmetric: bool,
                      embedding: str | None) -> tuple[Transformer, str | None]:
     """The model to export (a quantized copy when asked) and the recipe name used, if any."""
-    if weights is not None and weights not in WEIGHTS:
-        raise UserError(f"unknown ONNX weights {weights!r}: use one of {', '.join(WEIGHTS)}")
     if _is_quantized(model):
         bits = {m.fmt.bits for m in model.modules() if isinstance(m, QuantLinear)}
-        if weights in ("fp32", "fp16") or (weights in ("int8", "int4") and bits != {int(weights[3:])}):
+        # A quantized model keeps its codes: only its own width (or None) describes it.
+        if weights is not None and (weights.bits is None or bits != {weights.bits}):
             raise UserError(f"the model is already quantized ({_weights_label(model)}); export it with weights=None "
                             "or start from the float checkpoint to pick another format")
         return model, None
-    if weights not in ("int8", "int4"):
+    if weights is None or weights.bits is None:
         return model, None
     from edgefinfer.compile.quant import parse_recipe, quantize_model
 
-    emb = {"float": "embf", "int8": "emb8", "int4": "emb4", None: f"emb{weights[3:]}"}.get(embedding)
+    emb = {"float": "embf", "int8": "emb8", "int4": "emb4", None: f"emb{weights.bits}"}.get(embedding)
     if emb is None:
         raise UserError(f"unknown embedding format {embedding!r}: use float, int8 or int4")
     name = f"{weights}-g{block_size}-{'sym' if symmetric else 'asym'}-{emb}"

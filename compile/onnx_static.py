@@ -42,12 +42,12 @@ import numpy as np
 import onnx_ir as ir
 from torch import nn
 
-from edgefinfer.artefact import ArtefactSpec, KVSpec, Layout, write_spec
+from edgefinfer.bundle.artefact import ArtefactSpec, KVSpec, Layout, write_spec
 from edgefinfer.compile.onnx_export import emit_decoder, layer_windows, rope_tables
 from edgefinfer.compile.onnx_graph import GraphBuilder, save_model
 from edgefinfer.compile.quant.modules import QUANT_MODULES
 from edgefinfer.errors import UserError
-from edgefinfer.model import Transformer
+from edgefinfer.model.transformer import Transformer
 
 MASK_OFF = -100.0  # must equal edgefinfer.runtime.backends.ort.MASK_OFF
 

@@ -34,15 +34,15 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from edgefinfer.artefact import ONNX_GRAPHS, read_spec
+from edgefinfer.bundle.artefact import ONNX_GRAPHS, read_spec
 from edgefinfer.compile.artefact_cache import cached_export
 from edgefinfer.compile.onnx_graph import read_metadata
 from edgefinfer.compile.onnx_static import export_static_decode
-from edgefinfer import ort_ep
-from edgefinfer.errors import UserError
-from edgefinfer.model import Transformer
-from edgefinfer.ort_ep import qnn_context_session, require_qnn  # noqa: F401 (re-exported)
-from edgefinfer.ort_ep import qnn_session_options as _qnn_session_options
+from edgefinfer.libraries import ort_ep
+from edgefinfer.errors import UserChoice, UserError
+from edgefinfer.model.transformer import Transformer
+from edgefinfer.libraries.ort_ep import qnn_context_session, require_qnn  # noqa: F401 (re-exported)
+from edgefinfer.libraries.ort_ep import qnn_session_options as _qnn_session_options
 
 # (float, QDQ, context model) files of the token generator and of the prompt processor.
 FLOAT_FILE, QDQ_FILE, CTX_FILE = "model_float.onnx", "model_qdq.onnx", "model_ctx.onnx"
@@ -71,7 +71,26 @@ SOCS: dict[str, Soc] = {s.name: s for s in (
     Soc("sm8735", 85, 79, "Snapdragon 8s Gen 4"),
     Soc("sm8850", 87, 81, "Snapdragon 8 Elite Gen 5"),
 )}
-QUANT_SCHEMES = ("a16w8", "a8w8")
+
+
+class QnnScheme(UserChoice):
+    """QNN's QDQ quantization (`build_qnn`'s `scheme`, a `qdq-SCHEME` recipe's SCHEME): activations uint16
+    (a16w8, the default) or uint8 (a8w8); MatMul weights int8 either way. A StrEnum: written (manifest,
+    cache key) as its name."""
+
+    A16W8 = "a16w8"
+    A8W8 = "a8w8"
+
+    @classmethod
+    def refusal(cls, text: object) -> str:
+        return f"unknown QNN quantization {text!r}: use one of {', '.join(cls)}"
+
+    @property
+    def activation_bits(self) -> int:
+        return 16 if self is QnnScheme.A16W8 else 8
+
+
+QUANT_SCHEMES: tuple[QnnScheme, ...] = tuple(QnnScheme)
 
 
 def get_soc(name: str) -> Soc:
@@ -82,7 +101,7 @@ def get_soc(name: str) -> Soc:
     return SOCS[key]
 
 
-# ---- the plugin EP (the session helpers are in edgefinfer.ort_ep: a phone opens the context model too) ---
+# ---- the plugin EP (the session helpers are in edgefinfer.libraries.ort_ep: a phone opens the context model too) ---
 
 def qnn_session_options(soc: Soc, *, context_out: Path | None = None):
     return _qnn_session_options(soc.htp_arch, soc.soc_model, context_out)
@@ -115,8 +134,8 @@ class _Feeds:
         return next(self._it, None)
 
 
-def quantize_qdq(float_path: Path, out_path: Path, feeds: list[dict[str, np.ndarray]] | None, scheme: str = "a16w8",
-                 ranges: Path | None = None) -> Path:
+def quantize_qdq(float_path: Path, out_path: Path, feeds: list[dict[str, np.ndarray]] | None,
+                 scheme: QnnScheme | str = QnnScheme.A16W8, ranges: Path | None = None) -> Path:
     """A QDQ copy of the float graph for the QNN HTP: activations uint16 (a16w8) or uint8; MatMul weights
     int8, symmetric, one scale per output channel (the form the HTP takes per-channel weights in;
     onnxruntime's QNN config only does that for Conv), other weights uint8 per tensor.
@@ -128,11 +147,10 @@ def quantize_qdq(float_path: Path, out_path: Path, feeds: list[dict[str, np.ndar
     from onnxruntime.quantization import QuantType, quantize_static
     from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
 
-    if scheme not in QUANT_SCHEMES:
-        raise UserError(f"unknown QNN quantization {scheme!r}: use one of {', '.join(QUANT_SCHEMES)}")
+    scheme = QnnScheme.parse(scheme)
     if not feeds and not (ranges is not None and ranges.is_file()):
         raise UserError("QDQ calibration needs at least one token of calibration text")
-    act = QuantType.QUInt16 if scheme == "a16w8" else QuantType.QUInt8
+    act = QuantType.QUInt16 if scheme.activation_bits == 16 else QuantType.QUInt8
     per_channel = {w: [{"axis": 1, "quant_type": QuantType.QInt8, "symmetric": True}]
                    for w in _matmul_weights(float_path)}
     c = get_qnn_qdq_config(str(float_path), _Feeds(feeds or []), activation_type=act, weight_type=QuantType.QUInt8,
@@ -183,7 +201,7 @@ CACHE_SOURCES = (*(Path(__file__).with_name(n) for n in ("qnn.py", "onnx_static.
 
 @cached_export("qnn", CACHE_SOURCES)
 def build_qnn(model: Transformer, out_dir: str | Path, *, soc: str = "sm8650", context: int = 1024, chunk: int = 64,
-              scheme: str = "a16w8", calibration: Sequence[Sequence[int]] | None = None,
+              scheme: QnnScheme | str = QnnScheme.A16W8, calibration: Sequence[Sequence[int]] | None = None,
               max_seq_len: int | None = None, keep_float: bool = False,
               progress: Callable[[str], None] | None = None, record_feeds: RecordFeeds,
               sink_token: int | None = None, sink_of: SinkOf | None = None) -> dict[str, Any]:
@@ -202,6 +220,7 @@ def build_qnn(model: Transformer, out_dir: str | Path, *, soc: str = "sm8650", c
     """
     say = progress or (lambda _m: None)
     target = get_soc(soc)
+    scheme = QnnScheme.parse(scheme)  # up front: the quantizer runs minutes later
     if chunk < 1 or context < 1:
         raise UserError(f"the QNN graphs need context >= 1 and chunk >= 1, got context={context}, chunk={chunk}")
     chunk = min(chunk, context)  # a call never takes more tokens than the cache holds

@@ -110,7 +110,7 @@ def runner_tokenizer_class(tokenizer_json: dict[str, Any], dialect: Dialect) -> 
     3's ' ½' became '▁', '½' instead of '▁½' (and ' ①', ' ²', ' ٣' alike), measured with
     onnxruntime-genai 0.18. As "GemmaTokenizer" it merges them as SentencePiece does. Only the ids
     on the finished bundle (`check_runner`) say whether that is exact for a given vocabulary."""
-    from edgefinfer.tokenizer import sentencepiece_style
+    from edgefinfer.tokenization.tokenizer import sentencepiece_style
 
     return "GemmaTokenizer" if dialect == "onnxruntime-genai" and sentencepiece_style(tokenizer_json) else None
 

@@ -22,14 +22,14 @@ from pathlib import Path
 
 import torch
 
-from edgefinfer.checkpoint import load_config, load_model, save_model
+from edgefinfer.model.checkpoint import load_config, load_model, save_model
 from edgefinfer.distill import distributed
 from edgefinfer.distill.student import (check_compatible, config_from_json, student_from_config,
                                         student_from_pruning)
 from edgefinfer.distill.teacher_cache import TeacherCache, build_teacher_cache, fingerprint
 from edgefinfer.distill.trainer import TokenSource, Trainer, TrainConfig
 from edgefinfer.errors import UserError
-from edgefinfer.model import Transformer
+from edgefinfer.model.transformer import Transformer
 from edgefinfer.prune.structured import Shape, parameter_count
 
 REPORT_NAME = "distill_report.json"
@@ -70,7 +70,7 @@ def log(msg: str) -> None:
 
 
 def corpus_text(corpus: str) -> str:
-    from edgefinfer.data import SPLITS, load_text
+    from edgefinfer.data.corpora import SPLITS, load_text
 
     if corpus in SPLITS:
         return load_text(corpus)
@@ -82,7 +82,7 @@ def corpus_text(corpus: str) -> str:
 
 def training_blocks(tokenizer, opts: DistillOptions) -> torch.Tensor:
     """Random blocks of the corpus, [N, block_len]: N = num_blocks, or as many as the run consumes."""
-    from edgefinfer.data import token_blocks
+    from edgefinfer.data.corpora import token_blocks
 
     ids = tokenizer.encode(corpus_text(opts.corpus))
     if not ids:
@@ -115,7 +115,7 @@ def derive_student(teacher_dir: Path, teacher: Transformer, tokenizer, opts: Dis
 
 
 def test_perplexity(model: Transformer, ids: list[int]) -> float | None:
-    from edgefinfer.evaluate import perplexity
+    from edgefinfer.data.evaluate import perplexity
 
     if len(ids) < 2:
         return None
@@ -127,8 +127,8 @@ def test_perplexity(model: Transformer, ids: list[int]) -> float | None:
 
 def distill_checkpoint(teacher_dir: str | Path, out_dir: str | Path, opts: DistillOptions) -> dict | None:
     """Distill; returns the report on rank 0 (None on the other ranks)."""
-    from edgefinfer.data import cache_dir
-    from edgefinfer.tokenizer import Tokenizer
+    from edgefinfer.files.user_cache import cache_dir
+    from edgefinfer.tokenization.tokenizer import Tokenizer
 
     opts.validate()
     t0 = time.perf_counter()

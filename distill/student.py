@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from edgefinfer.config import ModelConfig
+from edgefinfer.model.config import ModelConfig
 from edgefinfer.errors import UserError
-from edgefinfer.model import Transformer
+from edgefinfer.model.transformer import Transformer
 from edgefinfer.prune.structured import Kept, parse_budget, prune_structured, solve_budget
 
 

@@ -30,9 +30,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from edgefinfer.atomic import atomic_dir
+from edgefinfer.files.atomic import atomic_dir
 from edgefinfer.errors import UserError
-from edgefinfer.model import Transformer
+from edgefinfer.model.transformer import Transformer
 
 FORMAT_VERSION = 1
 

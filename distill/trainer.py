@@ -28,11 +28,11 @@ from typing import Callable, Protocol
 import torch
 from torch import Tensor, nn
 
-from edgefinfer.atomic import atomic_file
+from edgefinfer.files.atomic import atomic_file
 from edgefinfer.distill import distributed
 from edgefinfer.distill.losses import TAILS, forward_kl_topk, hidden_mse, next_token_ce
 from edgefinfer.errors import UserError
-from edgefinfer.model import Transformer
+from edgefinfer.model.transformer import Transformer
 
 LOG_NAME = "train_log.jsonl"
 CHECKPOINTS = "checkpoints"

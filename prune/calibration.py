@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from edgefinfer.errors import UserError
-from edgefinfer.model import DecoderLayer, Transformer, first_rows
+from edgefinfer.model.transformer import DecoderLayer, Transformer, first_rows
 
 # The Linear layers of a decoder layer, by their name inside it; pruning touches these and nothing else
 # (embeddings, norms and lm_head stay dense, as in the Wanda and SparseGPT papers).
@@ -133,7 +133,7 @@ def collect_all(model: Transformer, blocks: Tensor, gram: bool = False, chunk: i
 
 def calibration_blocks(tokenizer, num_blocks: int, block_len: int, seed: int = 0) -> Tensor:
     """`num_blocks` random blocks of `block_len` tokens from the `calib` split: LongTensor [N, S]."""
-    from edgefinfer.data import split_blocks
+    from edgefinfer.data.corpora import split_blocks
 
     if num_blocks <= 0 or block_len <= 0:
         raise UserError(f"calibration needs at least one block of at least one token "

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import torch
 
-from edgefinfer.checkpoint import load_model, save_model
+from edgefinfer.model.checkpoint import load_model, save_model
 from edgefinfer.errors import UserError
-from edgefinfer.model import Transformer
+from edgefinfer.model.transformer import Transformer
 from edgefinfer.prune.calibration import calibration_blocks
 from edgefinfer.prune.masks import check_sparsity, parse_pattern, sparsity_of
 from edgefinfer.prune.sensitivity import allocate_sparsity, layer_sensitivity
@@ -65,13 +65,13 @@ def log(msg: str) -> None:
 
 
 def eval_ids(tokenizer, max_tokens: int) -> list[int]:
-    from edgefinfer.data import load_text
+    from edgefinfer.data.corpora import load_text
 
     return tokenizer.encode(load_text("test"))[:max_tokens]
 
 
 def test_perplexity(model: Transformer, ids: list[int]) -> float | None:
-    from edgefinfer.evaluate import perplexity
+    from edgefinfer.data.evaluate import perplexity
 
     return perplexity(model, ids, window=512, stride=512).ppl if len(ids) > 1 else None
 
@@ -105,7 +105,7 @@ def prune_model(model: Transformer, opts: PruneOptions, calib: torch.Tensor, qui
 
 def prune_checkpoint(src: str | Path, dest: str | Path, opts: PruneOptions, quiet: bool = False) -> dict:
     """Load `src`, prune, write an HF folder at `dest` with `prune_report.json`; returns the report."""
-    from edgefinfer.tokenizer import Tokenizer
+    from edgefinfer.tokenization.tokenizer import Tokenizer
 
     opts.validate()
     t0 = time.perf_counter()

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from edgefinfer.errors import UserError
-from edgefinfer.model import Transformer
+from edgefinfer.model.transformer import Transformer
 from edgefinfer.prune.calibration import LINEAR_NAMES, collect_all
 from edgefinfer.prune.masks import check_sparsity
 from edgefinfer.prune.unstructured import UnstructuredSpec, prune_weight

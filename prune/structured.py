@@ -30,9 +30,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from edgefinfer.config import ModelConfig
+from edgefinfer.model.config import ModelConfig
 from edgefinfer.errors import UserError
-from edgefinfer.model import Transformer
+from edgefinfer.model.transformer import Transformer
 from edgefinfer.prune.calibration import LayerwiseRunner
 
 

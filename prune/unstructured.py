@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from edgefinfer.errors import UserError
-from edgefinfer.model import Transformer
+from edgefinfer.model.transformer import Transformer
 from edgefinfer.prune.calibration import LINEAR_NAMES, InputStats, LayerwiseRunner
 from edgefinfer.prune.masks import (check_sparsity, magnitude_scores, n_m_mask, unstructured_mask,
                                     wanda_scores)

@@ -10,7 +10,7 @@ positions it holds that are still right.
 Greedy speculative decoding returns exactly the tokens of plain greedy decoding; with temperature
 > 0, rejection sampling keeps the target's distribution (see `edgefinfer.runtime.speculative.verify`).
 
-A `TokenMatcher` (structured output, `edgefinfer.structured`) masks every row before a token is
+A `TokenMatcher` (structured output, `edgefinfer.decoding.structured`) masks every row before a token is
 drawn from it; drafts are cut at the first token its grammar rejects and each verification row is
 masked with the grammar's state after the drafts before it, so constrained speculative decoding
 returns the tokens of constrained plain decoding.
@@ -26,11 +26,11 @@ from typing import TYPE_CHECKING, Iterator, Sequence
 import numpy as np
 
 from edgefinfer.errors import UserError
-from edgefinfer.generation import GenerationStats
+from edgefinfer.decoding.generation import GenerationStats
 from edgefinfer.runtime.backends.base import Backend, last_logits
 from edgefinfer.runtime.speculative.adaptive import AdaptiveK
-from edgefinfer.sampling import SamplingParams
-from edgefinfer.structured import TokenMatcher, trim_draft
+from edgefinfer.decoding.sampling import SamplingParams
+from edgefinfer.decoding.structured import TokenMatcher, trim_draft
 
 if TYPE_CHECKING:  # torch is loaded only for sampling with temperature, penalties or speculation
     import torch
@@ -64,7 +64,7 @@ def sample_row(logits: np.ndarray, params: SamplingParams, context: Sequence[int
         return int(logits.argmax())  # the first maximum, as torch.argmax (the method: np.argmax's wrapper costs more)
     import torch
 
-    from edgefinfer.sampling import next_token
+    from edgefinfer.decoding.sampling import next_token
 
     history = torch.tensor([list(context)]) if params.repetition_penalty != 1.0 else None
     return int(next_token(torch.from_numpy(np.asarray(logits))[None], params, history, generator)[0])

@@ -18,17 +18,17 @@ import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator, Literal
+from typing import TYPE_CHECKING, Callable, Iterator
 
-from edgefinfer.artefact import Layout
+from edgefinfer.bundle.artefact import Layout
 from edgefinfer.errors import UserError
-from edgefinfer.generation import Generation, detokenize, encode_prompt, finish_reason, stop_token_ids
-from edgefinfer.resolve import resolve
+from edgefinfer.decoding.generation import Generation, detokenize, encode_prompt, finish_reason, stop_token_ids
+from edgefinfer.bundle.resolve import resolve
 from edgefinfer.runtime.backends.base import Backend
 from edgefinfer.runtime.decode import Speculation, generate_tokens
-from edgefinfer.sampling import SamplingParams
-from edgefinfer.structured import Constraint, Grammar, GrammarCompiler
-from edgefinfer.tokenizer import Tokenizer
+from edgefinfer.decoding.sampling import SamplingParams
+from edgefinfer.decoding.structured import Constraint, Grammar, GrammarCompiler
+from edgefinfer.tokenization.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from edgefinfer.runtime.session import Session
@@ -39,22 +39,19 @@ ResponseFormat = dict | Constraint | Grammar | None
 
 @dataclass(frozen=True)
 class KVOption:
-    """`--kv` option: static (default) | window:N[,sinks:S] | paged:BLOCK (the shared paged-KV manager)."""
+    """`--kv` option: static (default) | window:N[,sinks:S] | paged:BLOCK (the shared paged-KV manager).
 
-    kind: Literal["static", "window", "paged"] = "static"
+    layout: the exported layout this option asks for; None for the paged manager (chosen when
+    running, never built into an artefact)."""
+
+    layout: Layout | None = Layout.STATIC
     window: int | None = None
     sinks: int = 0
     block_size: int | None = None
 
     @property
-    def layout(self) -> Layout | None:
-        """The exported layout this option asks for; None for the paged manager (chosen when running,
-        never built into an artefact)."""
-        return None if self.paged else Layout(self.kind)
-
-    @property
     def paged(self) -> bool:
-        return self.kind == "paged"
+        return self.layout is None
 
     @classmethod
     def parse(cls, text: str | None) -> "KVOption":
@@ -73,12 +70,12 @@ class KVOption:
                     sinks = int(value)
                 if window < 1 or sinks < 0:
                     raise ValueError(text)
-                return cls("window", window=window, sinks=sinks)
+                return cls(Layout.WINDOW, window=window, sinks=sinks)
             if head == "paged":
                 block = int(rest or 16)
                 if block < 1:
                     raise ValueError(text)
-                return cls("paged", block_size=block)
+                return cls(None, block_size=block)
         except ValueError:
             pass
         raise UserError(f"bad --kv {text!r}: use static, window:N[,sinks:S] or paged:BLOCK_SIZE")
@@ -112,7 +109,7 @@ class SpeculativeOption:
 
 def open_backend(path: str | Path, kind: str | None = None, kv: KVOption = KVOption(), threads: int | None = None,
                  max_seq_len: int | None = None) -> tuple[Backend, Tokenizer, dict]:
-    """The backend and tokenizer for an artefact path (see `edgefinfer.resolve`); `kind` forces a backend."""
+    """The backend and tokenizer for an artefact path (see `edgefinfer.bundle.resolve`); `kind` forces a backend."""
     src = resolve(path, kind)
     if src.kind == "bundle":
         # tokenizer.json (3.5 MB of JSON for SmolLM2: 0.1-0.3 s) parses while the runtime loads the weights,
@@ -151,7 +148,7 @@ def _import_runtime(kind: str | None) -> None:
         llama_cpp_lib()
     elif kind == "onnxruntime":
         import edgefinfer.runtime.backends.ort  # noqa: F401
-        from edgefinfer.ort_ep import import_ort
+        from edgefinfer.libraries.ort_ep import import_ort
 
         import_ort()
     elif kind == "executorch":  # torch (seconds of GIL-bound imports), ExecuTorch's runtime and kernel libraries
@@ -209,7 +206,7 @@ def _open(path: Path, kind: str | None, kv: KVOption, threads: int | None, max_s
     if kv.paged and kind != "torch":
         raise UserError(f"--kv paged runs on the torch backend (and in `edgefinfer serve`), not on {kind}")
     if kind == "torch":
-        from edgefinfer.checkpoint import load_model
+        from edgefinfer.model.checkpoint import load_model
         from edgefinfer.runtime.backends.torch_eager import TorchBackend
 
         if threads:

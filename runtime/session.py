@@ -44,12 +44,12 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from edgefinfer.atomic import atomic_file
+from edgefinfer.files.atomic import atomic_file
 from edgefinfer.errors import UserError
-from edgefinfer.generation import Generation, encode_prompt
+from edgefinfer.decoding.generation import Generation, encode_prompt
 from edgefinfer.runtime.decode import check_fits
-from edgefinfer.sampling import SamplingParams
-from edgefinfer.tokenizer import Tokenizer
+from edgefinfer.decoding.sampling import SamplingParams
+from edgefinfer.tokenization.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     import threading
@@ -223,7 +223,7 @@ def identity(engine: Engine) -> dict[str, str]:
 
 def artefact_sha256(path: Path) -> str:
     """A file's sha256; a folder's: the sha256 of its files' names and sha256s (sorted)."""
-    from edgefinfer.file_hash import known_sha256
+    from edgefinfer.files.hashes import known_sha256
 
     if path.is_file():
         return known_sha256(path)

@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from edgefinfer.errors import UserError
-from edgefinfer.sampling import SamplingParams
+from edgefinfer.decoding.sampling import SamplingParams
 from edgefinfer.server_gpu import openai_format as fmt
 from edgefinfer.server_gpu.engine import ServingEngine
 from edgefinfer.server_gpu.metrics import CONTENT_TYPE
@@ -35,8 +35,8 @@ from edgefinfer.server_gpu.protocol import (APIError, ChatCompletionRequest, Cha
                                             CompletionRequest, CompletionResponse, ErrorResponse, ModelList,
                                             error_body)
 from edgefinfer.server_gpu.request import GenerationParams, RequestOutput
-from edgefinfer.structured import Constraint
-from edgefinfer import tool_calls
+from edgefinfer.decoding.structured import Constraint
+from edgefinfer.decoding import tool_calls
 
 log = logging.getLogger(__name__)
 
@@ -61,12 +61,72 @@ def create_app(engine: ServingEngine, model_name: str, api_key: str | None = Non
                limits: ServerLimits = ServerLimits(), close_engine: bool = True) -> FastAPI:
     """The ASGI app. Its lifespan starts the engine thread on the server's event loop, and at shutdown
     stops it and (with `close_engine`) frees the model and its KV memory. `app.state.shutdown` drains
-    it gracefully (see `Shutdown`)."""
-    created = int(time.time())
-    max_len, vocab = engine.executor.max_model_len, engine.executor.vocab_size
-    max_prompt = min(limits.max_prompt_tokens or max_len - 1, max_len - 1)
-    # A request's n choices run together, so n can never exceed the sequences the engine runs at once.
-    limits = dataclasses.replace(limits, max_n=min(limits.max_n, engine.scheduler.config.max_num_seqs))
+    it gracefully (see `Shutdown`). The routes declare the API (paths, models, auth); their work is in
+    `_complete` and `_chat`."""
+    served = _Served.of(engine, model_name, limits)
+    app = _app_shell(engine, close_engine, served.limits)
+    auth = _bearer_auth(api_key)
+
+    @app.get("/health")
+    async def health() -> dict:
+        if not engine.alive:
+            raise APIError(503, "the engine thread is not running", type="server_error")
+        return {"status": "ok"}
+
+    @app.get("/metrics", response_class=Response,
+             responses={200: {"content": {CONTENT_TYPE: {"schema": {"type": "string"}}}}})
+    async def metrics() -> Response:
+        return Response(engine.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models", response_model=ModelList, dependencies=[Depends(auth)])
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": served.created,
+                                            "owned_by": "edgefinfer", "max_model_len": served.max_len,
+                                            "meta": engine.executor.describe()}]}
+
+    @app.post("/v1/completions", response_model=CompletionResponse, dependencies=[Depends(auth)],
+              responses=_STREAMED)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await _complete(served, body, request)
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, dependencies=[Depends(auth)],
+              responses=_STREAMED)
+    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+        return await _chat(served, body, request)
+
+    return app
+
+
+@dataclass(frozen=True)
+class _Served:
+    """What every route of one app reads, fixed when the app is created: the engine, the model's name,
+    length and vocabulary, and the limits a request is held to."""
+
+    engine: ServingEngine
+    model_name: str
+    created: int
+    max_len: int
+    vocab: int
+    max_prompt: int
+    limits: ServerLimits
+
+    @classmethod
+    def of(cls, engine: ServingEngine, model_name: str, limits: ServerLimits) -> "_Served":
+        max_len, vocab = engine.executor.max_model_len, engine.executor.vocab_size
+        max_prompt = min(limits.max_prompt_tokens or max_len - 1, max_len - 1)
+        # A request's n choices run together, so n can never exceed the sequences the engine runs at once.
+        limits = dataclasses.replace(limits, max_n=min(limits.max_n, engine.scheduler.config.max_num_seqs))
+        return cls(engine, model_name, int(time.time()), max_len, vocab, max_prompt, limits)
+
+    def check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+
+
+def _app_shell(engine: ServingEngine, close_engine: bool, limits: ServerLimits) -> FastAPI:
+    """The FastAPI app without routes: the engine's lifespan, the graceful shutdown, the body limit and
+    the error handlers (every error in OpenAI's JSON shape)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -86,76 +146,62 @@ def create_app(engine: ServingEngine, model_name: str, api_key: str | None = Non
     app.add_middleware(ShutdownGate, shutdown=app.state.shutdown)
     app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes)
     _install_error_handlers(app)
+    return app
 
-    expected_auth = f"Bearer {api_key}".encode() if api_key is not None else None
+
+def _bearer_auth(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
+    """The routes' dependency that refuses a request without `Authorization: Bearer <api_key>` (401);
+    with no key, every request passes."""
+    expected = f"Bearer {api_key}".encode() if api_key is not None else None
 
     async def auth(request: Request) -> None:
         given = request.headers.get("authorization", "").encode()
-        if expected_auth is not None and not hmac.compare_digest(given, expected_auth):  # constant time
+        if expected is not None and not hmac.compare_digest(given, expected):  # constant time
             raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
                            code="invalid_api_key")
 
-    def check_model(name: str) -> None:
-        if name != model_name:
-            raise APIError(404, f"the model {name!r} does not exist; this server serves {model_name!r}",
-                           param="model", code="model_not_found")
+    return auth
 
-    @app.get("/health")
-    async def health() -> dict:
-        if not engine.alive:
-            raise APIError(503, "the engine thread is not running", type="server_error")
-        return {"status": "ok"}
 
-    @app.get("/metrics", response_class=Response,
-             responses={200: {"content": {CONTENT_TYPE: {"schema": {"type": "string"}}}}})
-    async def metrics() -> Response:
-        return Response(engine.metrics.render(), media_type=CONTENT_TYPE)
+async def _complete(served: _Served, body: CompletionRequest, request: Request) -> Response:
+    """/v1/completions: validate, tokenize, submit, answer (a JSON body or a stream)."""
+    engine, limits = served.engine, served.limits
+    served.check_model(body.model)
+    if body.echo or body.suffix or (body.best_of not in (None, 1, body.n)):
+        raise APIError(400, "echo, suffix and best_of are not supported by this server", param="echo")
+    prompts = _completion_prompts(engine, body.prompt, served.max_prompt)
+    params = _params(body, max(len(p) for p in prompts), served.max_len, served.vocab, limits, body.max_tokens,
+                     body.logprobs, "logprobs")
+    params = await _with_grammar(engine, params, _constraint(body))
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    builder = fmt.CompletionBuilder(engine.tokenizer, rid, served.model_name, created=int(time.time()), n=body.n,
+                                    logprobs=body.logprobs is not None)
+    return await _respond(request, engine, rid, prompts, params, builder, body.stream,
+                          bool(body.stream_options and body.stream_options.include_usage))
 
-    @app.get("/v1/models", response_model=ModelList, dependencies=[Depends(auth)])
-    async def models() -> dict:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "edgefinfer", "max_model_len": max_len,
-                                            "meta": engine.executor.describe()}]}
 
-    @app.post("/v1/completions", response_model=CompletionResponse, dependencies=[Depends(auth)],
-              responses=_STREAMED)
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        check_model(body.model)
-        if body.echo or body.suffix or (body.best_of not in (None, 1, body.n)):
-            raise APIError(400, "echo, suffix and best_of are not supported by this server", param="echo")
-        prompts = _completion_prompts(engine, body.prompt, max_prompt)
-        params = _params(body, max(len(p) for p in prompts), max_len, vocab, limits, body.max_tokens, body.logprobs,
-                         "logprobs")
-        params = await _with_grammar(engine, params, _constraint(body))
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        builder = fmt.CompletionBuilder(engine.tokenizer, rid, model_name, created=int(time.time()), n=body.n,
-                                        logprobs=body.logprobs is not None)
-        return await _respond(request, engine, rid, prompts, params, builder, body.stream,
-                              bool(body.stream_options and body.stream_options.include_usage))
-
-    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, dependencies=[Depends(auth)],
-              responses=_STREAMED)
-    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
-        check_model(body.model)
-        if not body.messages:
-            raise APIError(400, "messages must hold at least one message", param="messages")
-        tools, constraint = _chat_tools(body)
-        calling = bool(tools)
-        ids = _chat_prompt(engine, body, tools, max_prompt)
-        top = body.top_logprobs
-        if top is not None and not body.logprobs:
-            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params = _params(body, len(ids), max_len, vocab, limits, max_tokens, (top or 0) if body.logprobs else None,
-                         "top_logprobs")
-        params = await _with_grammar(engine, params, constraint, "tools" if calling else "response_format")
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        builder = fmt.ChatBuilder(engine.tokenizer, rid, model_name, created=int(time.time()), n=body.n,
-                                  logprobs=body.logprobs, tools=calling)
-        return await _respond(request, engine, rid, [ids], params, builder, body.stream,
-                              bool(body.stream_options and body.stream_options.include_usage))
-
-    return app
+async def _chat(served: _Served, body: ChatCompletionRequest, request: Request) -> Response:
+    """/v1/chat/completions: validate, render the messages (and tools) through the chat template,
+    submit, answer; a reply that may call a tool follows the tool-call grammar."""
+    engine, limits = served.engine, served.limits
+    served.check_model(body.model)
+    if not body.messages:
+        raise APIError(400, "messages must hold at least one message", param="messages")
+    tools, constraint = _chat_tools(body)
+    calling = bool(tools)
+    ids = _chat_prompt(engine, body, tools, served.max_prompt)
+    top = body.top_logprobs
+    if top is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    params = _params(body, len(ids), served.max_len, served.vocab, limits, max_tokens,
+                     (top or 0) if body.logprobs else None, "top_logprobs")
+    params = await _with_grammar(engine, params, constraint, "tools" if calling else "response_format")
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    builder = fmt.ChatBuilder(engine.tokenizer, rid, served.model_name, created=int(time.time()), n=body.n,
+                              logprobs=body.logprobs, tools=calling)
+    return await _respond(request, engine, rid, [ids], params, builder, body.stream,
+                          bool(body.stream_options and body.stream_options.include_usage))
 
 
 # ------------------------------------------------------------------------------------------- chat

@@ -23,8 +23,8 @@ from edgefinfer.server_gpu.interface import Executor, StepPlan
 from edgefinfer.server_gpu.metrics import Metrics
 from edgefinfer.server_gpu.request import ChoiceDelta, GenerationParams, Request, RequestOutput, Status
 from edgefinfer.server_gpu.scheduler import Scheduler, SchedulerConfig, StepStats
-from edgefinfer.structured import GrammarCompiler
-from edgefinfer.tokenizer import Tokenizer
+from edgefinfer.decoding.structured import GrammarCompiler
+from edgefinfer.tokenization.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

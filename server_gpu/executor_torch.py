@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from edgefinfer.errors import UserError
-from edgefinfer.model import Transformer
+from edgefinfer.model.transformer import Transformer
 from edgefinfer.runtime.kv.paged_torch import BatchRow, PagedBatch, PagedTensorStorage, pad_batch
 from edgefinfer.server_gpu.interface import SeqWork, StepPlan, StepResult
 

@@ -4,7 +4,7 @@ MODEL is a GGUF file, a bundle folder (its GGUF artefact), a Hugging Face folder
 shipped reference model. The llama.cpp backend runs GGUF; the torch backend runs a HF folder, or a
 GGUF imported into our `Transformer`.
 
-Tokenizer: always ours (`edgefinfer.tokenizer.Tokenizer`), found as `edgefinfer run` finds it
+Tokenizer: always ours (`edgefinfer.tokenization.tokenizer.Tokenizer`), found as `edgefinfer run` finds it
 (`ModelSource.tokenizer`): the folder's tokenizer.json (a bundle's, a HF folder's, one beside a bare
 GGUF), else rebuilt from the GGUF (`gguf_import.tokenizer_from_gguf`, which splits text exactly as
 llama.cpp does; checked at load against llama.cpp's own tokenizer).
@@ -20,13 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edgefinfer.errors import UserError
-from edgefinfer.resolve import ModelSource, resolve
+from edgefinfer.bundle.resolve import ModelSource, resolve
 from edgefinfer.server_gpu import session_seed
 from edgefinfer.server_gpu.batched_speculation import SpeculationConfig
 from edgefinfer.server_gpu.engine import ServingEngine, ServingEngineConfig
 from edgefinfer.server_gpu.interface import Executor
 from edgefinfer.server_gpu.scheduler import SchedulerConfig
-from edgefinfer.tokenizer import Tokenizer
+from edgefinfer.tokenization.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ def build_engine(opts: ServeOptions) -> tuple[ServingEngine, str]:
 
 
 def _resolve(model: str) -> ModelSource:
-    """MODEL (see `edgefinfer.resolve`) as the server runs it: a GGUF (bare, a bundle's, a shipped
+    """MODEL (see `edgefinfer.bundle.resolve`) as the server runs it: a GGUF (bare, a bundle's, a shipped
     model's) or a HF folder. Its tokenizer and stop ids are `ModelSource.tokenizer` / `stop_ids`, the
     same probe and rule as `edgefinfer run`'s."""
     src = resolve(model, format="gguf", names="gguf")
@@ -186,11 +186,11 @@ def _torch(src: ModelSource, opts: ServeOptions) -> tuple[Executor, Tokenizer, t
     if opts.threads:
         torch.set_num_threads(opts.threads)
     if src.is_gguf:
-        from edgefinfer.gguf_import import import_gguf
+        from edgefinfer.model.gguf_import import import_gguf
 
         model = import_gguf(src.path)[0]
     else:
-        from edgefinfer.checkpoint import load_model
+        from edgefinfer.model.checkpoint import load_model
 
         model = load_model(src.path)
     tokenizer, stop_ids = _tokenizer(src)

@@ -9,10 +9,10 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any, Protocol
 
-from edgefinfer import tool_calls
+from edgefinfer.decoding import tool_calls
 from edgefinfer.server_gpu.request import ChoiceDelta, RequestOutput
 from edgefinfer.server_gpu.sampler import TokenLogprob
-from edgefinfer.tokenizer import Tokenizer
+from edgefinfer.tokenization.tokenizer import Tokenizer
 
 
 class Builder(Protocol):

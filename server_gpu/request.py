@@ -16,13 +16,13 @@ from typing import Callable
 
 import torch
 
-from edgefinfer.generation import StopStringMatcher
+from edgefinfer.decoding.generation import StopStringMatcher
 from edgefinfer.runtime.speculative.adaptive import KState
 from edgefinfer.runtime.speculative.proposers import Proposer
-from edgefinfer.sampling import SamplingParams
+from edgefinfer.decoding.sampling import SamplingParams
 from edgefinfer.server_gpu.sampler import TokenLogprob
-from edgefinfer.structured import Grammar, TokenMatcher
-from edgefinfer.tokenizer import IncrementalDecoder, Tokenizer
+from edgefinfer.decoding.structured import Grammar, TokenMatcher
+from edgefinfer.tokenization.tokenizer import IncrementalDecoder, Tokenizer
 
 
 @dataclass(frozen=True)

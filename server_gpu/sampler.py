@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from edgefinfer.runtime.decode import seeded_generator
-from edgefinfer.sampling import SamplingParams
+from edgefinfer.decoding.sampling import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from edgefinfer.errors import UserError
-from edgefinfer.generation import finish_reason
+from edgefinfer.decoding.generation import finish_reason
 from edgefinfer.runtime.decode import pick_token, verify_draft
 from edgefinfer.runtime.kv.paged_manager import NoRoom, PagedKVManager, SlotPlan
 from edgefinfer.runtime.speculative.proposers import Draft
@@ -48,8 +48,8 @@ from edgefinfer.server_gpu.interface import KVOp, SeqWork, StepPlan, StepResult,
 from edgefinfer.server_gpu.request import ChoiceDelta, Request, RequestOutput, Seq, Status, TextStream
 from edgefinfer.server_gpu.batched_speculation import (AcceptanceEstimate, SpeculationConfig, StepCostModel,
                                                        initial_state, next_state)
-from edgefinfer.structured import trim_draft
-from edgefinfer.tokenizer import Tokenizer
+from edgefinfer.decoding.structured import trim_draft
+from edgefinfer.tokenization.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)

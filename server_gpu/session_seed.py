@@ -94,6 +94,6 @@ def file_sha256(path: Path, known: str | None) -> str:
     """The served GGUF's sha256: a bundle's manifest names it (checked when it loaded), else hashed here."""
     if known:
         return known
-    from edgefinfer.file_hash import known_sha256
+    from edgefinfer.files.hashes import known_sha256
 
     return known_sha256(path)

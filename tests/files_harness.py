@@ -18,8 +18,8 @@ import sys
 import time
 from pathlib import Path
 
-from edgefinfer.atomic import atomic_dir
-from edgefinfer.bundle import MANIFEST, load_manifest
+from edgefinfer.files.atomic import atomic_dir
+from edgefinfer.bundle.manifest import MANIFEST, load_manifest
 from edgefinfer.errors import UserError
 
 OLD_RECIPE, NEW_RECIPE = "llamacpp-q4_1", "int8-g32-emb8"  # two bundles that differ in every artefact
@@ -27,7 +27,7 @@ OLD_RECIPE, NEW_RECIPE = "llamacpp-q4_1", "int8-g32-emb8"  # two bundles that di
 
 def make_tiny_model_dir(folder: Path) -> Path:
     """A random tiny Llama with a trained BPE tokenizer, as a HF folder (a build of it takes seconds)."""
-    from edgefinfer.checkpoint import save_model
+    from edgefinfer.model.checkpoint import save_model
     from tests.helpers import tiny_model, tiny_tokenizer
 
     tok = tiny_tokenizer(320)

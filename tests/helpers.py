@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from edgefinfer.config import ModelConfig
-from edgefinfer.model import Transformer
+from edgefinfer.model.config import ModelConfig
+from edgefinfer.model.transformer import Transformer
 
 
 def tiny_config(**overrides) -> ModelConfig:
@@ -41,7 +41,7 @@ def tiny_tokenizer(vocab_size: int = 300):
     """A byte-level BPE trained in-process (a second), with ChatML special tokens and template."""
     from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
 
-    from edgefinfer.tokenizer import Tokenizer
+    from edgefinfer.tokenization.tokenizer import Tokenizer
 
     backend = HFTokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -1,9 +1,9 @@
-"""The artefact description (`edgefinfer.artefact`): one writer and one reader per carrier, and the
+"""The artefact description (`edgefinfer.bundle.artefact`): one writer and one reader per carrier, and the
 exporters and runtimes meeting through them."""
 
 import pytest
 
-from edgefinfer.artefact import ArtefactSpec, KVSpec, read_spec, write_spec
+from edgefinfer.bundle.artefact import ArtefactSpec, KVSpec, read_spec, write_spec
 from edgefinfer.compile.onnx_export import export_onnx
 from edgefinfer.compile.onnx_graph import read_metadata
 from edgefinfer.compile.onnx_static import export_static_decode

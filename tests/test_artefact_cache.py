@@ -15,12 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from edgefinfer.bundle import load_manifest
-from edgefinfer.checkpoint import save_model
+from edgefinfer.bundle.manifest import load_manifest
+from edgefinfer.model.checkpoint import save_model
 from edgefinfer.compile import artefact_cache
 from edgefinfer.compile.artefact_cache import ENTRY_FILE, ArtefactCache, cached_figures, content_key
 from edgefinfer.compile.onnx_export import CACHE_SOURCES, export_onnx
-from edgefinfer.data import cache_dir, load_text
+from edgefinfer.files.user_cache import cache_dir
+from edgefinfer.data.corpora import load_text
 from tests.helpers import tiny_model, tiny_tokenizer
 
 KIND = "onnx"

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from edgefinfer import atomic
-from edgefinfer.atomic import atomic_dir, atomic_file, copy_file, remove_leftovers, write_bytes
+from edgefinfer.files import atomic
+from edgefinfer.files.atomic import atomic_dir, atomic_file, copy_file, remove_leftovers, write_bytes
 from edgefinfer.errors import UserError
 from tests.files_harness import build_old_bundle, disk_full_trial, kill9_trials, make_tiny_model_dir
 
@@ -179,7 +179,7 @@ def test_a_killed_file_write_leaves_the_old_file(tmp_path):
     """SIGKILL in the middle of a large write: the destination is the old file, whole."""
     dest = tmp_path / "big.bin"
     write_bytes(dest, b"old" * 1000)
-    code = ("import os, signal, sys\nfrom pathlib import Path\nfrom edgefinfer.atomic import atomic_file\n"
+    code = ("import os, signal, sys\nfrom pathlib import Path\nfrom edgefinfer.files.atomic import atomic_file\n"
             f"with atomic_file(Path({str(dest)!r})) as tmp, open(tmp, 'wb') as f:\n"
             "    f.write(b'new' * 100000); f.flush(); os.kill(os.getpid(), signal.SIGKILL)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True)

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from edgefinfer.bundle import load_manifest
-from edgefinfer.checkpoint import save_model
+from edgefinfer.bundle.manifest import load_manifest
+from edgefinfer.model.checkpoint import save_model
 from edgefinfer.errors import UserError
 from edgefinfer.runtime.engine import Engine
 from tests.helpers import tiny_model, tiny_tokenizer
@@ -103,11 +103,11 @@ def test_8da8w_candidate_is_measured_quantized(tiny_dir):
     import torch
 
     from edgefinfer.app.build import quantize_for
-    from edgefinfer.checkpoint import load_model
-    from edgefinfer.recipe import Recipe
+    from edgefinfer.model.checkpoint import load_model
+    from edgefinfer.bundle.recipe import Recipe
     from edgefinfer.compile.executorch_export import resolve_options
     from edgefinfer.compile.quant.modules import QuantEmbedding, QuantLinear
-    from edgefinfer.targets import get_target
+    from edgefinfer.bundle.targets import get_target
 
     model = load_model(tiny_dir)
     quantized = quantize_for(model, get_target("android"), Recipe.parse("8da8w"), None)

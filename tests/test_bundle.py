@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from edgefinfer.bundle import BundleWriter, load_manifest
+from edgefinfer.bundle.manifest import BundleWriter, load_manifest
 from edgefinfer.errors import UserError
 
 

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from edgefinfer.bundle import MANIFEST, BundleWriter, load_manifest
+from edgefinfer.bundle.manifest import MANIFEST, BundleWriter, load_manifest
 from edgefinfer.errors import UserError
 
 PAYLOAD = b"weights" * 100

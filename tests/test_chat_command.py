@@ -16,7 +16,7 @@ ARGS = ["--threads", "1", "-n", "12"]
 
 @pytest.fixture(scope="module")
 def gguf():
-    from edgefinfer import reference
+    from edgefinfer.model import reference
 
     return str(reference.gguf_path("smollm2-135m"))
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from edgefinfer.checkpoint import load_model, save_model
+from edgefinfer.model.checkpoint import load_model, save_model
 from edgefinfer.errors import UserError
 from tests.helpers import tiny_model
 

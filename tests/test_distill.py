@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from edgefinfer.checkpoint import load_model, save_model
+from edgefinfer.model.checkpoint import load_model, save_model
 from edgefinfer.errors import UserError
 from edgefinfer.distill.losses import forward_kl, forward_kl_topk
 from edgefinfer.distill.student import student_from_config, student_from_pruning
@@ -187,8 +187,8 @@ def austen_teacher(tmp_path_factory) -> Path:
     """A 230k-parameter Llama trained for ~100 steps on 300k characters of Austen, with a 512-token BPE."""
     from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
 
-    from edgefinfer.data import load_text, token_blocks
-    from edgefinfer.tokenizer import Tokenizer
+    from edgefinfer.data.corpora import load_text, token_blocks
+    from edgefinfer.tokenization.tokenizer import Tokenizer
 
     text = load_text("train")[:300_000]
     backend = HFTokenizer(models.BPE())

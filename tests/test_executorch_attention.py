@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("executorch")
 
-from edgefinfer.cache import StaticCache  # noqa: E402
+from edgefinfer.model.kv_cache import StaticCache  # noqa: E402
 from edgefinfer.compile.et_attention import EtRingCache, EtStaticCache, ExportableLM, swap_attention  # noqa: E402
 from edgefinfer.errors import UserError  # noqa: E402
 from edgefinfer.runtime.kv.window import SlidingWindowCache  # noqa: E402

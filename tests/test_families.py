@@ -9,9 +9,9 @@ import json
 import pytest
 import torch
 
-from edgefinfer.cache import StaticCache
-from edgefinfer.checkpoint import load_model, save_model
-from edgefinfer.config import FULL, SLIDING, ModelConfig
+from edgefinfer.model.kv_cache import StaticCache
+from edgefinfer.model.checkpoint import load_model, save_model
+from edgefinfer.model.config import FULL, SLIDING, ModelConfig
 from edgefinfer.errors import UserError
 from tests.families import NAMES, WINDOW, hf_model, save_hf
 
@@ -227,7 +227,7 @@ def test_perplexity_windows_start_with_the_scoring_prefix(family):
 
     import torch.nn.functional as F
 
-    from edgefinfer.evaluate import perplexity
+    from edgefinfer.data.evaluate import perplexity
 
     _, _, ours, _ = family
     ids = TOKENS[0, 1:].tolist() * 3  # 33 tokens, windows of 8 (7 text tokens after the prefix)

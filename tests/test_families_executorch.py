@@ -27,7 +27,7 @@ import torch
 pytest.importorskip("executorch")
 pytest.importorskip("torchao")
 
-from edgefinfer.checkpoint import load_model  # noqa: E402
+from edgefinfer.model.checkpoint import load_model  # noqa: E402
 from edgefinfer.compile.et_quant import quantize_for_xnnpack  # noqa: E402
 from edgefinfer.compile.executorch_export import export_pte, pte_delegates  # noqa: E402
 from edgefinfer.runtime.backends.executorch import ExecuTorchBackend  # noqa: E402
@@ -113,7 +113,7 @@ def max_diff(got: list[np.ndarray], want: list[np.ndarray]) -> float:
 def test_swapped_attention_matches_the_model(name, programs):
     """ExecuTorch's custom-op attention (eager CPU kernels) reproduces our model in chunks: static cache
     against `StaticCache`, ring cache against the runtime's `SlidingWindowCache` (window 4)."""
-    from edgefinfer.cache import StaticCache
+    from edgefinfer.model.kv_cache import StaticCache
     from edgefinfer.compile.et_attention import EtRingCache, EtStaticCache, ExportableLM, swap_attention
     from edgefinfer.runtime.kv.window import SlidingWindowCache
 

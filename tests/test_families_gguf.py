@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from edgefinfer.checkpoint import load_model
+from edgefinfer.model.checkpoint import load_model
 from edgefinfer.compile.gguf_export import export_gguf
-from edgefinfer.config import FULL, SLIDING
+from edgefinfer.model.config import FULL, SLIDING
 from edgefinfer.errors import UserError
-from edgefinfer.gguf_import import import_gguf
+from edgefinfer.model.gguf_import import import_gguf
 from tests.families import NAMES, WINDOW, byte_tokenizer, family_gguf, llamacpp_config, random_hf_model
 
 llama_cpp = pytest.importorskip("llama_cpp")
@@ -158,7 +158,7 @@ def test_unsupported_architecture_is_refused(tmp_path):
     ("mistral", dict(partial_rotary_factor=0.5), "partial rotary"),
 ])
 def test_what_llamacpp_cannot_run_is_refused_in_one_line(tmp_path, family, change, message):
-    from edgefinfer.model import Transformer
+    from edgefinfer.model.transformer import Transformer
 
     random_hf_model(llamacpp_config(family), gemma=family == "gemma3").save_pretrained(tmp_path / "hf")
     cfg = load_model(tmp_path / "hf").config.replace(**change)

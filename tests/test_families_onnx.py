@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 import pytest
 
-from edgefinfer.checkpoint import load_model
+from edgefinfer.model.checkpoint import load_model
 from edgefinfer.compile.onnx_export import GENAI_TYPES, export_onnx, gqa_rotates
 from edgefinfer.compile.onnx_static import export_static_decode
 from edgefinfer.compile.quant import parse_recipe, quantize_model

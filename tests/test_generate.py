@@ -3,11 +3,11 @@
 import torch
 import pytest
 
-from edgefinfer.eager_decode import generate_ids, generate_text, stream_text
+from edgefinfer.decoding.eager import generate_ids, generate_text, stream_text
 from edgefinfer.errors import UserError
-from edgefinfer.generation import StopStringMatcher
-from edgefinfer.sampling import SamplingParams, apply_repetition_penalty, logits_to_probs, next_token
-from edgefinfer.tokenizer import IncrementalDecoder, Tokenizer
+from edgefinfer.decoding.generation import StopStringMatcher
+from edgefinfer.decoding.sampling import SamplingParams, apply_repetition_penalty, logits_to_probs, next_token
+from edgefinfer.tokenization.tokenizer import IncrementalDecoder, Tokenizer
 from tests.helpers import tiny_model, tiny_tokenizer
 
 

@@ -10,7 +10,7 @@ from edgefinfer.compile.quant.apply import quantize_model
 from edgefinfer.compile.quant.modules import QuantLinear
 from edgefinfer.compile.quant.recipe import parse_recipe
 from edgefinfer.errors import UserError
-from edgefinfer.gguf_import import import_gguf, open_gguf
+from edgefinfer.model.gguf_import import import_gguf, open_gguf
 from edgefinfer.runtime.backends.llamacpp import LlamaCppBackend
 from edgefinfer.runtime.decode import Speculation, generate_tokens
 from edgefinfer.runtime.speculative.proposers import PromptLookupProposer
@@ -51,7 +51,7 @@ def test_llamacpp_runs_our_export(tmp_path, tok, dtype, tol, arch):
     assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.9
     if dtype == "f32":  # greedy continuation token for token, incremental on both sides
         plain = list(generate_tokens(backend, ids, 24))
-        from edgefinfer.eager_decode import generate_ids
+        from edgefinfer.decoding.eager import generate_ids
         assert plain == list(generate_ids(model, ids, 24))
 
 

@@ -1,7 +1,7 @@
 """GGUF import: tiny random models written with gguf-py, checked against llama.cpp on the same file.
 
 Each file is written here the way llama.cpp's convert_hf_to_gguf.py writes one (q/k rows permuted for
-the `llama` architecture), imported with edgefinfer.gguf_import, and compared with llama-cpp-python
+the `llama` architecture), imported with edgefinfer.model.gguf_import, and compared with llama-cpp-python
 running the very same file: logits, dequantized weights and token ids.
 """
 
@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 import torch
 
-from edgefinfer import gguf_import
-from edgefinfer.checkpoint import load_model
-from edgefinfer.config import ModelConfig
+from edgefinfer.model import gguf_import
+from edgefinfer.model.checkpoint import load_model
+from edgefinfer.model.config import ModelConfig
 from edgefinfer.errors import UserError
-from edgefinfer.gguf_import import convert_gguf, import_gguf, source_gguf_type, source_tensor_bits, unpermute_qk
-from edgefinfer.model import Transformer
-from edgefinfer.tokenizer import Tokenizer
+from edgefinfer.model.gguf_import import convert_gguf, import_gguf, source_gguf_type, source_tensor_bits, unpermute_qk
+from edgefinfer.model.transformer import Transformer
+from edgefinfer.tokenization.tokenizer import Tokenizer
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType

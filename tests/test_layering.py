@@ -1,7 +1,7 @@
 """Dependencies run one way (issue 16): every import in the package, at module level or inside a
 function, goes down the layers, never up or sideways, and no modules import each other in a loop.
 
-    foundation (edgefinfer.*: model, config, tokenizer, checkpoint, data, errors, bundle, artefact, ...)
+    foundation (edgefinfer.<room>.*: files, libraries, tokenization, model, data, decoding, bundle)
       -> prune -> distill        the build side: compression          (A -> B: B may import A)
       -> compile                 the build side: exporters
       -> runtime -> server_gpu   the inference side: one sequence on a device, batching on a server
@@ -10,6 +10,9 @@ function, goes down the layers, never up or sideways, and no modules import each
 The inference side never imports the build side: a phone install has no exporter, no torchao, no
 training code (tests/test_runtime_only_install.py checks that at run time; this checks every line).
 A `__main__` module is a launcher that nothing imports, so it belongs to the app layer.
+
+Inside the foundation the same rule holds between its rooms (issue 33): each room imports only the
+rooms below it (ROOMS) and the root module `edgefinfer.errors`, and no module lives outside a room.
 """
 
 from __future__ import annotations
@@ -37,15 +40,39 @@ ALLOWED: dict[str, frozenset[str]] = {
 }
 SUBPACKAGE_LAYERS = ("app", "distill", "prune", "compile", "runtime", "server_gpu")
 
+# The foundation's rooms: what each may import besides itself and the root. Each edge is a reason.
+ROOMS: dict[str, frozenset[str]] = {
+    "files": frozenset(),
+    "libraries": frozenset(),
+    # A tokenizer file is untrusted input: its size and JSON are checked before `tokenizers` parses it.
+    "tokenization": frozenset({"files"}),
+    # Corpora are fetched once into the user cache and written atomically.
+    "data": frozenset({"files"}),
+    # A GGUF carries its own tokenizer; checkpoints are untrusted input and written atomically.
+    "model": frozenset({"files", "tokenization"}),
+    # The eager loop runs the model through its KV cache; constraints and stop rules read the vocabulary.
+    "decoding": frozenset({"tokenization", "model"}),
+    # A manifest names files and their hashes; resolving a MODEL path finds its tokenizer and stop ids.
+    "bundle": frozenset({"files", "tokenization", "model", "decoding"}),
+}
+# The foundation's modules outside any room: the package itself and the error every room raises.
+ROOT_MODULES = frozenset({PACKAGE, f"{PACKAGE}.errors"})
+
 
 @dataclass(frozen=True)
 class Violation:
+    """An import against the layers (or, when `rooms`, against the foundation's rooms)."""
     file: str
     line: int
     module: str
     imported: str
+    rooms: bool = False
 
     def __str__(self) -> str:
+        if self.rooms:
+            mine, theirs = room_of(self.module), room_of(self.imported)
+            return (f"{self.file}:{self.line}: {self.module} (room {mine}) imports {self.imported} (room {theirs}); "
+                    f"{mine} may import only {', '.join(sorted(ROOMS[mine])) or 'itself'} and the root")
         return (f"{self.file}:{self.line}: {self.module} ({layer_of(self.module)}) imports {self.imported} "
                 f"({layer_of(self.imported)}); {layer_of(self.module)} may import only "
                 f"{', '.join(sorted(ALLOWED[layer_of(self.module)])) or 'itself'}")
@@ -58,6 +85,18 @@ def layer_of(module: str) -> str:
     if "__main__" in parts:
         return "app"
     return parts[1] if len(parts) > 1 and parts[1] in SUBPACKAGE_LAYERS else "foundation"
+
+
+def room_of(module: str) -> str:
+    """The foundation room of `module` (its second dotted component), or "root" for ROOT_MODULES."""
+    if layer_of(module) != "foundation":
+        raise ValueError(f"{module} is not in the foundation")
+    if module in ROOT_MODULES:
+        return "root"
+    room = module.split(".")[1]
+    if room not in ROOMS:
+        raise ValueError(f"{module} is in no room of the foundation (ROOMS: {', '.join(ROOMS)})")
+    return room
 
 
 def package_modules(root: Path = ROOT) -> dict[str, Path]:
@@ -81,7 +120,7 @@ def imported_modules(module: str, source: str, is_package: bool, known: set[str]
                      type_only: bool = True) -> list[tuple[int, str]]:
     """(line, module) for every import of the package in `source`, wherever it stands (without those
     under `if TYPE_CHECKING:` when not `type_only`). `from a import b` counts as importing a.b when
-    that is a module (e.g. `from edgefinfer import reference`)."""
+    that is a module (e.g. `from edgefinfer.model import reference`)."""
     here = module if is_package else module.rpartition(".")[0]
     tree = ast.parse(source)
     skip = set() if type_only else _type_only(tree)
@@ -113,7 +152,13 @@ def violations(sources: dict[str, tuple[str, str, bool]]) -> list[Violation]:
             theirs = layer_of(imported)
             if theirs != mine and theirs not in ALLOWED[mine]:
                 bad.append(Violation(file, line, module, imported))
+            elif mine == theirs == "foundation" and not room_may_import(room_of(module), room_of(imported)):
+                bad.append(Violation(file, line, module, imported, rooms=True))
     return sorted(bad, key=lambda v: (v.file, v.line))
+
+
+def room_may_import(mine: str, theirs: str) -> bool:
+    return theirs in (mine, "root") or mine != "root" and theirs in ROOMS[mine]
 
 
 def import_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -152,6 +197,30 @@ def test_every_import_goes_down_the_layers():
     assert not bad, "imports against the layering:\n" + "\n".join(map(str, bad))
 
 
+def test_every_foundation_module_is_in_a_room():
+    """A flat module beside the rooms is the foundation this replaced (issue 33): give it a room."""
+    modules = [m for m in package_modules() if layer_of(m) == "foundation"]
+    outside = [m for m in modules if m not in ROOT_MODULES and m.split(".")[1] not in ROOMS]
+    assert outside == [], f"foundation modules in no room of {sorted(ROOMS)}: {outside}"
+    assert {room_of(m) for m in modules} == {*ROOMS, "root"}  # every room is found, so none is skipped
+
+
+def test_the_rooms_import_one_way():
+    """ROOMS itself has no loop (so no two rooms import each other, even through a third), and the
+    imports found in the code stay inside it (`test_every_import_goes_down_the_layers` names any that
+    does not, with its line)."""
+    assert import_cycle({room: set(below) for room, below in ROOMS.items()}) is None
+    sources = read_sources(package_modules())
+    found: dict[str, set[str]] = {}
+    for module, (_, text, is_package) in sources.items():
+        if layer_of(module) == "foundation":
+            for _, imported in imported_modules(module, text, is_package, set(sources)):
+                if layer_of(imported) == "foundation" and room_of(imported) not in (room_of(module), "root"):
+                    found.setdefault(room_of(module), set()).add(room_of(imported))
+    assert import_cycle(found) is None
+    assert all(found.get(room, set()) <= below for room, below in ROOMS.items())
+
+
 def test_no_import_cycles():
     """Not even through a function-level import (the old way round a cycle: `edgefinfer.cli` <->
     `prune/cli.py`); an import under `if TYPE_CHECKING:` never runs, so it may close a loop."""
@@ -178,13 +247,20 @@ def test_no_cli_module_sits_below_the_app():
 
 # Modules the synthetic sources below may name (a `from x import y` resolves y against them).
 KNOWN = {m: (m.replace(".", "/") + ".py", "", False)
-         for m in ("edgefinfer.compile.onnx_export", "edgefinfer.app.cli", "edgefinfer.runtime.engine")}
+         for m in ("edgefinfer.compile.onnx_export", "edgefinfer.app.cli", "edgefinfer.runtime.engine",
+                   "edgefinfer.decoding.generation", "edgefinfer.model.checkpoint")}
 
 
 @pytest.mark.parametrize("module,source,message", [
-    ("edgefinfer.model", "def f():\n    from edgefinfer.runtime.engine import Engine\n",
-     "edge/model.py:2: edgefinfer.model (foundation) imports edgefinfer.runtime.engine (runtime); "
-     "foundation may import only itself"),
+    ("edgefinfer.model.transformer", "def f():\n    from edgefinfer.runtime.engine import Engine\n",
+     "edge/model/transformer.py:2: edgefinfer.model.transformer (foundation) imports edgefinfer.runtime.engine "
+     "(runtime); foundation may import only itself"),
+    ("edgefinfer.model.config", "from edgefinfer.decoding.generation import stop_token_ids\n",
+     "edge/model/config.py:1: edgefinfer.model.config (room model) imports edgefinfer.decoding.generation "
+     "(room decoding); model may import only files, tokenization and the root"),
+    ("edgefinfer.files.atomic", "def f():\n    from edgefinfer.model import checkpoint\n",
+     "edge/files/atomic.py:2: edgefinfer.files.atomic (room files) imports edgefinfer.model.checkpoint "
+     "(room model); files may import only itself and the root"),
     ("edgefinfer.compile.qnn", "import numpy\nimport edgefinfer.runtime.engine\n",
      "compile/qnn.py:2: edgefinfer.compile.qnn (compile) imports edgefinfer.runtime.engine (runtime); "
      "compile may import only foundation"),
@@ -212,5 +288,11 @@ def test_the_checker_allows_imports_down_and_within_a_layer():
         "edgefinfer.distill.__main__": ("distill/__main__.py", "from edgefinfer.app.distill_command import main\n",
                                         False),
         "edgefinfer.server_gpu.sampler": ("server_gpu/sampler.py", "", False),
+        "edgefinfer.decoding.eager": ("edge/decoding/eager.py", "from edgefinfer.model.transformer import Transformer\n"
+                                      "from edgefinfer.decoding import sampling\n", False),
+        "edgefinfer.model.transformer": ("edge/model/transformer.py", "", False),
+        "edgefinfer.decoding.sampling": ("edge/decoding/sampling.py", "from edgefinfer.errors import UserError\n",
+                                         False),
+        "edgefinfer.errors": ("edge/errors.py", "", False),
     }
     assert violations(sources) == []

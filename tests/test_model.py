@@ -5,10 +5,10 @@ import torch
 from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
                           Qwen2ForCausalLM)
 
-from edgefinfer.cache import StaticCache
-from edgefinfer.config import ModelConfig
+from edgefinfer.model.kv_cache import StaticCache
+from edgefinfer.model.config import ModelConfig
 from edgefinfer.errors import UserError
-from edgefinfer.model import Transformer
+from edgefinfer.model.transformer import Transformer
 from tests.helpers import tiny_model
 
 TINY = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from edgefinfer.bundle import MANIFEST
-from edgefinfer.checkpoint import load_model
+from edgefinfer.bundle.manifest import MANIFEST
+from edgefinfer.model.checkpoint import load_model
 from edgefinfer.errors import UserError
-from edgefinfer.gguf_import import open_gguf
-from edgefinfer.model_files import check_gguf
-from edgefinfer.tokenizer import Tokenizer
+from edgefinfer.model.gguf_import import open_gguf
+from edgefinfer.files.untrusted import check_gguf
+from edgefinfer.tokenization.tokenizer import Tokenizer
 from tests.files_harness import build, make_tiny_model_dir
 
 

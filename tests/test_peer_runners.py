@@ -36,7 +36,7 @@ def smollm2_tokenizer_json(smollm2_dir):
 @pytest.fixture(scope="module")
 def one_layer_dir(smollm2_dir, tmp_path_factory):
     """SmolLM2-135M with only its first decoder layer: same tokenizer, vocabulary and embeddings."""
-    from edgefinfer.checkpoint import load_model, save_model
+    from edgefinfer.model.checkpoint import load_model, save_model
 
     model = load_model(smollm2_dir)
     model.model.layers = model.model.layers[:1]
@@ -122,7 +122,7 @@ def test_peer_runner_gives_edgefinfers_greedy_tokens_and_ids(bundles, target):
 
 
 def test_android_bundle_tells_how_to_run_it_with_executorchs_runner(bundles):
-    from edgefinfer.bundle import load_manifest
+    from edgefinfer.bundle.manifest import load_manifest
 
     readme = (bundles / "android" / "README.txt").read_text()
     assert "TextLLMRunner(\"model.pte\", \"tokenizer.json\")" in readme and "llama_main" in readme

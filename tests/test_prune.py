@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from edgefinfer.checkpoint import load_model, save_model
-from edgefinfer.config import ModelConfig
+from edgefinfer.model.checkpoint import load_model, save_model
+from edgefinfer.model.config import ModelConfig
 from edgefinfer.errors import UserError
 from edgefinfer.prune.calibration import LINEAR_NAMES, collect_all
 from edgefinfer.prune.masks import (magnitude_scores, n_m_mask, n_m_violations, unstructured_mask,
@@ -356,10 +356,10 @@ def test_cli_bad_input_is_one_line_exit_2(tiny_folder, tmp_path, monkeypatch, ca
 @pytest.mark.reference
 def test_wanda_beats_magnitude_at_half_sparsity_on_the_reference_model(smollm2_dir):
     """Measured (1 thread, 8 x 128 calibration tokens, 1024 test tokens): see docs/COMPRESSION.md."""
-    from edgefinfer.data import load_text
-    from edgefinfer.evaluate import perplexity
+    from edgefinfer.data.corpora import load_text
+    from edgefinfer.data.evaluate import perplexity
     from edgefinfer.prune.calibration import calibration_blocks
-    from edgefinfer.tokenizer import Tokenizer
+    from edgefinfer.tokenization.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(smollm2_dir)
     ids = tok.encode(load_text("test")[:8000])[:1024]

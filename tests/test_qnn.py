@@ -15,7 +15,7 @@ import onnx
 import pytest
 
 from edgefinfer.compile.onnx_static import export_static_decode
-from edgefinfer.bundle import load_manifest
+from edgefinfer.bundle.manifest import load_manifest
 from edgefinfer.compile.qnn import build_qnn, get_soc, require_qnn
 from edgefinfer.errors import UserError
 from edgefinfer.runtime.backends.ort import OrtStaticBackend, attention_sink, load_sink, open_qnn, recorded_feeds
@@ -168,7 +168,7 @@ def test_qnn_bundle_runs_through_the_engine(tmp_path, monkeypatch):
     """`edgefinfer build --target qnn` -> `edgefinfer run`: greedy tokens on the HTP emulator equal the
     CPU EP's on the same QDQ graphs; the build measured the bundle's perplexity (on the CPU EP)."""
     from edgefinfer.app.build import BuildOptions, build
-    from edgefinfer.checkpoint import save_model
+    from edgefinfer.model.checkpoint import save_model
     from edgefinfer.runtime.engine import Engine
     from tests.helpers import tiny_tokenizer
 

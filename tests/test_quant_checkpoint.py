@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from edgefinfer.checkpoint import save_model
+from edgefinfer.model.checkpoint import save_model
 from edgefinfer.compile.quant.apply import quantize_model
 from edgefinfer.compile.quant.checkpoint import load_quantized, read_quantization_config, save_quantized
 from edgefinfer.compile.quant.recipe import WeightFormat, parse_recipe

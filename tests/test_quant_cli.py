@@ -7,7 +7,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers
 
 from edgefinfer.app import cli as edge_cli
-from edgefinfer.checkpoint import save_model
+from edgefinfer.model.checkpoint import save_model
 from edgefinfer.compile.quant.checkpoint import load_quantized
 from edgefinfer.app.quantize_command import REPORT_FILE, parse_size, quantize
 from edgefinfer.errors import UserError
@@ -98,7 +98,7 @@ def test_parse_size():
 
 def test_default_calibration_is_the_one_build_uses(monkeypatch):
     """16 blocks of 256 tokens of the mixed text, seed 0, as app/build.py's quantize_for."""
-    import edgefinfer.data as data
+    import edgefinfer.data.corpora as data
     from edgefinfer.app.quantize_command import default_calibration
 
     defaults = {p.name: p.default for p in quantize.params}

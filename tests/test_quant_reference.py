@@ -14,13 +14,13 @@ import copy
 import pytest
 import torch
 
-from edgefinfer.checkpoint import load_model
+from edgefinfer.model.checkpoint import load_model
 from edgefinfer.compile.quant.apply import quantize_model
 from edgefinfer.compile.quant.mixed import allocate, measure_sensitivity, mixed_recipe, uniform_size
 from edgefinfer.compile.quant.recipe import AWQSettings, GPTQSettings, parse_recipe
-from edgefinfer.data import load_text, token_blocks
-from edgefinfer.evaluate import perplexity
-from edgefinfer.tokenizer import Tokenizer
+from edgefinfer.data.corpora import load_text, token_blocks
+from edgefinfer.data.evaluate import perplexity
+from edgefinfer.tokenization.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.reference
 

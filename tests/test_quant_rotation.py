@@ -196,9 +196,9 @@ def test_rotated_reference_model_computes_the_same_logits(smollm2_dir):
     """In float64 the rotated model's logits are within 1e-4 of the original's (measured 2.3e-5: our
     RMSNorm normalises in float32 even in a float64 model). In float32 both sit about 1e-4 from the
     float64 logits (max |logit| 39): the rotation adds no error beyond float32's own rounding."""
-    from edgefinfer.checkpoint import load_model
-    from edgefinfer.data import load_text
-    from edgefinfer.tokenizer import Tokenizer
+    from edgefinfer.model.checkpoint import load_model
+    from edgefinfer.data.corpora import load_text
+    from edgefinfer.tokenization.tokenizer import Tokenizer
 
     model = load_model(smollm2_dir)
     ids = torch.tensor([Tokenizer.from_dir(smollm2_dir).encode(load_text("test"))[:128]])

@@ -13,7 +13,7 @@ import pytest
 
 from tests.helpers import tiny_model, tiny_tokenizer
 
-# Lines a newcomer used to see from torchao, torch, ExecuTorch, ONNX Runtime / QNN (see edgefinfer.quiet).
+# Lines a newcomer used to see from torchao, torch, ExecuTorch, ONNX Runtime / QNN (see edgefinfer.libraries.quiet).
 NOISE = ("Failed to load", "_pytree.py", "LeafSpec", "cpuinfo_utils.cpp", "threadpool.cpp", "W:onnxruntime",
          "WARNING:root", "LIBNATIVE")
 
@@ -21,7 +21,7 @@ NOISE = ("Failed to load", "_pytree.py", "LeafSpec", "cpuinfo_utils.cpp", "threa
 # libraries (fd 1), then prints progress of its own on both.
 SCRIPT = """
 import os, sys
-from edgefinfer.quiet import quiet
+from edgefinfer.libraries.quiet import quiet
 with quiet({enabled}):
     import torchao
     from executorch.extension.pybindings.portable_lib import _unsafe_reset_threadpool
@@ -56,7 +56,7 @@ def test_cli_build_and_run_are_quiet_and_the_bundle_readable(tmp_path):
     """The qnn target is the fastest build that goes through noisy libraries (ONNX Runtime's QNN EP
     and quantizer, Qualcomm's libraries on stdout); its quantizer also writes 0600 files. `run` on
     the HTP emulator loads the same libraries."""
-    from edgefinfer.checkpoint import save_model
+    from edgefinfer.model.checkpoint import save_model
 
     tok = tiny_tokenizer(320)
     tok.eos_token = None  # a random model would stop at a random EOS
@@ -65,7 +65,7 @@ def test_cli_build_and_run_are_quiet_and_the_bundle_readable(tmp_path):
     args = ["build", "--target", "qnn", "-m", str(tmp_path / "m"), "-o", str(tmp_path / "b"), "--max-seq-len", "32",
             "--eval-tokens", "64"]
     # An empty artefact cache (the corpora shared): a hit left by another test would skip the noisy libraries.
-    from edgefinfer.data import cache_dir
+    from edgefinfer.files.user_cache import cache_dir
 
     (cache_dir() / "data").mkdir(parents=True, exist_ok=True)
     (tmp_path / "cache").mkdir()
@@ -92,7 +92,7 @@ def test_cli_build_and_run_are_quiet_and_the_bundle_readable(tmp_path):
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="needs llama-cpp-python")
 def test_gpu_server_build_hides_llama_cpp_quantizer_lines_unless_verbose(tmp_path):
     """llama.cpp's quantizer prints its loader dump and a line a tensor (C stderr); --verbose keeps them."""
-    from edgefinfer.checkpoint import save_model
+    from edgefinfer.model.checkpoint import save_model
 
     tok = tiny_tokenizer(320)
     save_model(tiny_model(vocab_size=tok.vocab_size, max_position_embeddings=256, hidden_size=64,

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import torch
 
-from edgefinfer import reference
-from edgefinfer.cache import StaticCache
-from edgefinfer.checkpoint import load_model
+from edgefinfer.model import reference
+from edgefinfer.model.kv_cache import StaticCache
+from edgefinfer.model.checkpoint import load_model
 from edgefinfer.errors import UserError
-from edgefinfer.tokenizer import Tokenizer
+from edgefinfer.tokenization.tokenizer import Tokenizer
 from tests.test_gguf_import import VARIED_TEXT, tiny_model, train_vocab, write_gguf
 
 TEXT = ("It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in "

@@ -1,12 +1,12 @@
-"""`edgefinfer.resolve`: one answer to "what is this MODEL path" for the Engine, the server and the commands."""
+"""`edgefinfer.bundle.resolve`: one answer to "what is this MODEL path" for the Engine, the server and the commands."""
 
 import json
 
 import pytest
 
-from edgefinfer.bundle import BundleWriter
+from edgefinfer.bundle.manifest import BundleWriter
 from edgefinfer.errors import UserError
-from edgefinfer.resolve import resolve
+from edgefinfer.bundle.resolve import resolve
 from edgefinfer.server_gpu.loader import _resolve as serve_source
 
 

@@ -11,7 +11,7 @@ import re
 import numpy as np
 import pytest
 
-from edgefinfer.checkpoint import save_model
+from edgefinfer.model.checkpoint import save_model
 from edgefinfer.compile.executorch_export import export_pte
 from edgefinfer.compile.gguf_export import export_gguf
 from edgefinfer.compile.onnx_export import export_onnx
@@ -46,7 +46,7 @@ def artefacts(tmp_path_factory):
 def engines(artefacts):
     engines = {name: Engine.load(path, backend=name, max_seq_len=128) for name, path in artefacts.items()}
     # The model names no EOS, but the bare GGUF stops where llama.cpp does: at its end-of-generation control
-    # token <|im_end|> (edgefinfer.resolve.ModelSource.stop_ids, the rule run and serve share). This module
+    # token <|im_end|> (edgefinfer.bundle.resolve.ModelSource.stop_ids, the rule run and serve share). This module
     # compares the numerics of the formats, so no engine stops early.
     assert engines["llamacpp"].eos_ids == (engines["llamacpp"].tokenizer.encode("<|im_end|>")[0],)
     assert all(e.eos_ids == () for name, e in engines.items() if name != "llamacpp")
@@ -87,7 +87,7 @@ REGEX = r"[a-z ,]{10,40}[.]"  # text the tiny model writes, bounded so every bac
 
 
 def test_constrained_tokens_are_identical_on_every_backend(engines):
-    from edgefinfer.structured import Constraint
+    from edgefinfer.decoding.structured import Constraint
 
     for prompt in PROMPTS[:3]:
         outputs = {name: e.generate(prompt, max_tokens=N, response_format=Constraint.regex(REGEX))
@@ -100,7 +100,7 @@ def test_constrained_tokens_are_identical_on_every_backend(engines):
 
 @pytest.mark.parametrize("backend", ["torch", "executorch", "onnxruntime", "llamacpp"])
 def test_constrained_speculative_decoding_is_exact_on_each_backend(artefacts, engines, backend):
-    from edgefinfer.structured import Constraint
+    from edgefinfer.decoding.structured import Constraint
 
     prompt = PROMPTS[0] * 3
     regex = r"[a-z ]{20,60}[.]"

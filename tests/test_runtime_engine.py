@@ -5,11 +5,11 @@ import threading
 
 import pytest
 
-from edgefinfer.checkpoint import save_model
-from edgefinfer.eager_decode import generate_ids, generate_text
+from edgefinfer.model.checkpoint import save_model
+from edgefinfer.decoding.eager import generate_ids, generate_text
 from edgefinfer.errors import UserError
 from edgefinfer.runtime.engine import Engine, KVOption, SpeculativeOption
-from edgefinfer.sampling import SamplingParams
+from edgefinfer.decoding.sampling import SamplingParams
 from tests.helpers import tiny_model, tiny_tokenizer
 
 PROMPT = "It is a truth universally acknowledged, that a single man"

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from edgefinfer.app.build import BuildOptions, build
-from edgefinfer.checkpoint import save_model
+from edgefinfer.model.checkpoint import save_model
 from tests.helpers import tiny_model, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,7 +53,7 @@ def _runtime_venv(env: dict[str, str]) -> Path:
     cache, keyed on pyproject.toml and this Python (what decides what pip installs): a first run creates
     it (minutes), later ones reuse it. This checkout's own code is reinstalled into it every time, so the
     test always runs the code under test."""
-    from edgefinfer.user_cache import cache_dir
+    from edgefinfer.files.user_cache import cache_dir
 
     key = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + sys.version.encode()).hexdigest()[:16]
     env_dir = cache_dir() / "test-venvs" / f"runtime-{key}"
@@ -158,7 +158,7 @@ def test_a_bundle_parses_its_tokenizer_while_the_weights_load(onnx_bundle, monke
     import time
 
     from edgefinfer.runtime import engine
-    from edgefinfer.tokenizer import Tokenizer
+    from edgefinfer.tokenization.tokenizer import Tokenizer
 
     events = []
     real_open, real_from_dir = engine._open, Tokenizer.from_dir.__func__

@@ -52,7 +52,7 @@ def wait_idle(server, timeout: float = 15.0) -> dict[str, float]:
 
 
 def test_greedy_output_equals_the_runtime(server, client):
-    from edgefinfer import reference
+    from edgefinfer.model import reference
     from edgefinfer.runtime.engine import Engine
 
     runtime = Engine.load(reference.gguf_path(MODEL))
@@ -399,7 +399,7 @@ def test_retained_prefixes_serve_later_requests_and_yield_their_cells():
 def test_draft_model_speculation_verifies_in_the_batch():
     # The model as its own draft (its own llama context, one slot per sequence): most drafts are accepted,
     # and rejected tails are rolled back on both sides.
-    from edgefinfer import reference
+    from edgefinfer.model import reference
 
     gguf = reference.gguf_path(MODEL)
     engine, _ = build_engine(ServeOptions(MODEL, max_num_seqs=2, max_model_len=256, threads=1,

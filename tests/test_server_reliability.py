@@ -86,7 +86,7 @@ def test_values_that_used_to_fail_inside_the_server_get_a_400_or_an_answer(serve
 def test_top_p_that_underflows_keeps_the_most_likely_token():
     import torch
 
-    from edgefinfer.sampling import logits_to_probs
+    from edgefinfer.decoding.sampling import logits_to_probs
 
     logits = torch.tensor([[0.5, 2.0, -1.0, 1.9]])
     assert logits_to_probs(logits, 1.0, None, 1e-300).tolist() == [[0.0, 1.0, 0.0, 0.0]]

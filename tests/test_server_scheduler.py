@@ -1,5 +1,5 @@
 """The continuous-batching engine on the torch executor (tiny random model, no HTTP): every feature
-must return exactly what eager decoding (`edgefinfer.eager_decode.generate_ids`) returns alone."""
+must return exactly what eager decoding (`edgefinfer.decoding.eager.generate_ids`) returns alone."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from edgefinfer.eager_decode import generate_ids
-from edgefinfer.sampling import SamplingParams
+from edgefinfer.decoding.eager import generate_ids
+from edgefinfer.decoding.sampling import SamplingParams
 from edgefinfer.server_gpu.batched_speculation import SpeculationConfig, StepCostModel
 from edgefinfer.server_gpu.engine import ServingEngine, ServingEngineConfig
 from edgefinfer.server_gpu.executor_torch import TorchExecutor

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from edgefinfer.server_gpu.request import GenerationParams
-from edgefinfer.structured import Constraint, Grammar
+from edgefinfer.decoding.structured import Constraint, Grammar
 from tests.helpers import tiny_model, tiny_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -64,7 +64,7 @@ def _format(task: dict) -> dict:
 @pytest.mark.reference
 @pytest.mark.llamacpp
 def test_json_schema_gives_the_device_engines_tokens(server, client):
-    from edgefinfer import reference
+    from edgefinfer.model import reference
     from edgefinfer.runtime.engine import Engine
 
     runtime = Engine.load(reference.gguf_path(MODEL), threads=2)

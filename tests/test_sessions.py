@@ -11,11 +11,11 @@ import json
 
 import pytest
 
-from edgefinfer.checkpoint import save_model
+from edgefinfer.model.checkpoint import save_model
 from edgefinfer.errors import UserError
 from edgefinfer.runtime.engine import Engine
 from edgefinfer.runtime.session import MAGIC, common_prefix, encode_messages
-from edgefinfer.structured import Constraint
+from edgefinfer.decoding.structured import Constraint
 from tests.helpers import tiny_model, tiny_tokenizer
 
 CTX = 256

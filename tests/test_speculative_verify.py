@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from edgefinfer.cache import StaticCache
-from edgefinfer.eager_decode import generate_ids
+from edgefinfer.model.kv_cache import StaticCache
+from edgefinfer.decoding.eager import generate_ids
 from edgefinfer.errors import UserError
 from edgefinfer.runtime.speculative import verify as verify_mod
 from edgefinfer.runtime.speculative.adaptive import (AdaptiveK, CostModel, KState, best_k, expected_speedup,
@@ -16,7 +16,7 @@ from edgefinfer.runtime.speculative.proposers import (Draft, DraftModelProposer,
                                                       torch_model_step)
 from edgefinfer.runtime.speculative.verify import (SpecStats, VerifyResult, greedy_accept, rejection_sample,
                                                    residual_probs, verify, verify_greedy, verify_sampling)
-from edgefinfer.sampling import SamplingParams, logits_to_probs
+from edgefinfer.decoding.sampling import SamplingParams, logits_to_probs
 from tests.helpers import tiny_model
 
 

@@ -33,7 +33,7 @@ def _tokenizer(vocab_size: int, specials: dict[int, str] | None = None):
     place of those ids' characters as special (control) tokens; the EOS token is <|endoftext|> if given."""
     from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 
-    from edgefinfer.tokenizer import Tokenizer
+    from edgefinfer.tokenization.tokenizer import Tokenizer
 
     tokens = sorted(pre_tokenizers.ByteLevel.alphabet())[:vocab_size - 2] + ["th", "he"]
     for i, text in (specials or {}).items():
@@ -49,8 +49,8 @@ def _tokenizer(vocab_size: int, specials: dict[int, str] | None = None):
 def models(tmp_path_factory):
     """{way: MODEL path}, and the greedy ids the model produces when nothing stops it, up to and
     including the one made its end-of-turn token."""
-    from edgefinfer.bundle import BundleWriter
-    from edgefinfer.checkpoint import load_model
+    from edgefinfer.bundle.manifest import BundleWriter
+    from edgefinfer.model.checkpoint import load_model
     from edgefinfer.compile.gguf_export import export_gguf
     from edgefinfer.runtime.engine import Engine
 

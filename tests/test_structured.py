@@ -1,4 +1,4 @@
-"""Structured output (edgefinfer.structured): constraints compile or fail with one line, masks follow
+"""Structured output (edgefinfer.decoding.structured): constraints compile or fail with one line, masks follow
 the grammar, drafts are cut where the grammar breaks, and constrained decoding on the reference
 model gives output that parses and validates, the same tokens with and without speculation."""
 
@@ -14,8 +14,8 @@ import pytest
 
 from edgefinfer.errors import UserError
 from edgefinfer.runtime.speculative.proposers import Draft
-from edgefinfer.structured import Constraint, GrammarCompiler, trim_draft
-from edgefinfer.tokenizer import Tokenizer
+from edgefinfer.decoding.structured import Constraint, GrammarCompiler, trim_draft
+from edgefinfer.tokenization.tokenizer import Tokenizer
 from tests.helpers import tiny_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -113,7 +113,7 @@ def test_a_model_without_end_of_sequence_gets_a_phantom_one():
 @pytest.fixture(scope="module")
 def engine():
     pytest.importorskip("llama_cpp")
-    from edgefinfer import reference
+    from edgefinfer.model import reference
     from edgefinfer.runtime.engine import Engine
 
     return Engine.load(reference.gguf_path(MODEL), threads=2)
@@ -166,7 +166,7 @@ def test_constrained_speculation_on_the_reference_model_stays_within_the_schema(
     # backend: test_runtime_conformance.py). Here llama.cpp's quantized kernels score a k+1-token batch
     # a little differently from one token at a time, and under a mask the pick is among near-ties, so
     # the tokens may differ; the output must still follow the schema and drafts must be used.
-    from edgefinfer import reference
+    from edgefinfer.model import reference
     from edgefinfer.runtime.engine import Engine
 
     gguf = reference.gguf_path(MODEL)

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from edgefinfer.errors import UserError
-from edgefinfer.targets import TARGETS, Requirement, Target, get_target
+from edgefinfer.bundle.targets import TARGETS, Requirement, Target, get_target
 
 
 def test_every_designed_target_is_registered():
@@ -58,7 +58,7 @@ def test_a_llamacpp_build_keeps_the_grid_of_the_gguf_the_weights_came_from(tmp_p
 
 def test_a_default_recipe_keeps_the_bits_the_source_gguf_gave_each_matrix(tmp_path):
     from edgefinfer.app.build import source_precision
-    from edgefinfer.recipe import Recipe
+    from edgefinfer.bundle.recipe import Recipe
 
     types = {"model.layers.0.self_attn.q_proj": "Q5_0", "model.layers.0.self_attn.o_proj": "Q4_K",
              "model.layers.0.mlp.down_proj": "Q6_K", "model.embed_tokens": "Q8_0"}

@@ -4,9 +4,9 @@ import pytest
 import torch
 from transformers import MistralConfig, MistralForCausalLM
 
-from edgefinfer.config import ModelConfig
+from edgefinfer.model.config import ModelConfig
 from edgefinfer.errors import UserError
-from edgefinfer.model import Transformer
+from edgefinfer.model.transformer import Transformer
 from edgefinfer.runtime.kv.window import SlidingWindowCache
 from tests.helpers import tiny_model
 

@@ -18,13 +18,13 @@ from edgefinfer.compile.quant import awq as awq_mod
 from edgefinfer.compile.quant.calibrate import (INPUT_GROUPS, ActivationSampler, HessianAccumulator, LayerRunner,
                                                 capture_inputs)
 from edgefinfer.compile.quant.gptq import gptq_damp_sweep, gptq_quantize
-from edgefinfer.model import first_rows
+from edgefinfer.model.transformer import first_rows
 from edgefinfer.compile.quant.modules import Fp8Linear, QuantEmbedding, QuantLinear, model_size_bytes, tied_head
 from edgefinfer.compile.quant.primitives import IntWeights, quantize_fp8, quantize_int
 from edgefinfer.compile.quant.recipe import QuantRecipe, WeightFormat
 from edgefinfer.compile.quant.rotation import check_rotatable, rotate_model
 from edgefinfer.errors import UserError
-from edgefinfer.model import Transformer
+from edgefinfer.model.transformer import Transformer
 
 Progress = Callable[[str], None]
 EMBEDDING, LM_HEAD = "model.embed_tokens", "lm_head"

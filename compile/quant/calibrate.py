@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from edgefinfer.errors import UserError
-from edgefinfer.model import Transformer, first_rows
+from edgefinfer.model.transformer import Transformer, first_rows
 
 # The linears of a decoder layer grouped by the tensor they read, in execution order.
 INPUT_GROUPS: tuple[tuple[str, ...], ...] = (

@@ -24,13 +24,13 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from edgefinfer.atomic import atomic_dir
-from edgefinfer.checkpoint import load_config, load_state_dict, write_side_files
+from edgefinfer.files.atomic import atomic_dir
+from edgefinfer.model.checkpoint import load_config, load_state_dict, write_side_files
 from edgefinfer.compile.quant.apply import LM_HEAD, set_module
 from edgefinfer.compile.quant.modules import Fp8Linear, QuantEmbedding, QuantLinear, tied_head
 from edgefinfer.compile.quant.recipe import QuantRecipe, WeightFormat
 from edgefinfer.errors import UserError
-from edgefinfer.model import Transformer
+from edgefinfer.model.transformer import Transformer
 
 QUANT_METHOD = "edgefinfer"
 FORMAT_VERSION = 1

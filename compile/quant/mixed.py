@@ -28,7 +28,7 @@ from edgefinfer.compile.quant.modules import FLOAT_BYTES
 from edgefinfer.compile.quant.primitives import dequantize_fp8, dequantize_int, quantize_fp8, quantize_int
 from edgefinfer.compile.quant.recipe import QuantRecipe, WeightFormat
 from edgefinfer.errors import UserError
-from edgefinfer.model import Transformer
+from edgefinfer.model.transformer import Transformer
 
 Progress = Callable[[str], None]
 

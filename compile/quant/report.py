@@ -11,8 +11,8 @@ from torch import Tensor
 
 from edgefinfer.compile.quant.apply import QuantResult
 from edgefinfer.compile.quant.modules import FLOAT_BYTES
-from edgefinfer.evaluate import compare, perplexity
-from edgefinfer.model import Transformer
+from edgefinfer.data.evaluate import compare, perplexity
+from edgefinfer.model.transformer import Transformer
 
 
 @dataclass(frozen=True)

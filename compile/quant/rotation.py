@@ -56,7 +56,7 @@ import torch
 from torch import Tensor, nn
 
 from edgefinfer.errors import UserError
-from edgefinfer.model import MLP, Attention, DecoderLayer, DecoderStack, RMSNorm, Transformer
+from edgefinfer.model.transformer import MLP, Attention, DecoderLayer, DecoderStack, RMSNorm, Transformer
 
 Kind = Literal["hadamard", "orthogonal"]
 KINDS: tuple[str, ...] = ("hadamard", "orthogonal")

@@ -2,7 +2,7 @@
 
 Each step prints its progress and duration; the build ends with a table (artefact, size, perplexity
 vs float, host decode tokens/s). The bundle is written to a temporary folder and renamed into place
-when complete (`edgefinfer.bundle.BundleWriter`), so Ctrl-C or a kill never leaves a half bundle.
+when complete (`edgefinfer.bundle.manifest.BundleWriter`), so Ctrl-C or a kill never leaves a half bundle.
 
 Perplexity is measured on the same test tokens for the float model (eager torch) and for the
 artefact run by its own runtime (ExecuTorch, ONNX Runtime, llama.cpp), so the delta is the cost of
@@ -25,16 +25,16 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 
 from edgefinfer.app.bundle_readme import bundle_readme
 from edgefinfer.app.model_arg import DEFAULT_MODEL, resolve_model
-from edgefinfer.artefact import KVSpec, Layout
-from edgefinfer.bundle import BundleWriter
+from edgefinfer.bundle.artefact import KVSpec, Layout
+from edgefinfer.bundle.manifest import BundleWriter
 from edgefinfer.errors import UserError
-from edgefinfer.recipe import LLAMACPP_PREFIX, Recipe
-from edgefinfer.targets import Target, get_target
+from edgefinfer.bundle.recipe import LLAMACPP_PREFIX, Recipe, RecipeKind
+from edgefinfer.bundle.targets import Target, get_target
 
 # Candidate recipes per artefact format for --quality-budget, smallest first; at one size the cheap
 # round-to-nearest one before the data-aware one (GPTQ: about a minute on the reference model).
@@ -86,9 +86,72 @@ def default_out(target: str) -> Path:
 
 
 def build(opts: BuildOptions) -> Path:
+    """Build `opts.target`'s bundle from `opts.model` in five logged steps (the module doc); returns the
+    bundle's folder, written whole or not at all."""
     # A static cache holds max_seq_len positions: score the float model, the candidates and the artefact
     # on the same windows (a shorter window alone raises perplexity by several percent).
     opts = dataclasses.replace(opts, eval_window=min(opts.eval_window, opts.max_seq_len))
+    target, kv, given = _check_up_front(opts)
+    out = Path(opts.out) if opts.out else default_out(target.name)
+    _remove_stale_temporaries(out)
+    folder = resolve_model(str(opts.model) if opts.model is not None else DEFAULT_MODEL)
+    log = StepLog()
+    source = _load_source(folder, target, opts, log)
+    recipe, quantized, candidates, tried, kept = _choose_recipe(source, target, given, opts, log)
+
+    model_meta = {"name": folder.name, "config": source.model.config.to_hf(), "source": str(folder)}
+    with BundleWriter(out, target=target.name, model=model_meta) as writer:
+        source.tokenizer.save(writer.tmp)  # beside the artefact: its runtime loads it to evaluate
+        compiled = _compile_within_budget(writer.tmp, target, source, recipe, quantized, candidates, tried, kv,
+                                          opts, log)
+        _fill_bundle(writer, target, source, compiled, kv, opts)
+        writer.manifest.recipe = {"name": compiled.recipe.name, "target_default": target.recipe,
+                                  "quality_budget_pct": opts.quality_budget}
+        if tried:
+            writer.manifest.recipe["candidates"] = [c.to_dict() for c in tried]
+        if kept:
+            writer.manifest.recipe["source_precision"] = {name: fmt.to_dict() for name, fmt in sorted(kept.items())}
+        writer.manifest.metrics = {"float_ppl": source.float_ppl, "eval_tokens": len(source.test_ids),
+                                   "eval_split": "test", **compiled.figures, "build_s": round(compiled.build_s, 1)}
+        bundle = writer.commit()
+    size = sum(a.size for a in writer.manifest.artefacts if a.role in ("model", "weights"))
+    print_summary(target, compiled.recipe.name, compiled.files[0], size, source.float_ppl, compiled.figures,
+                  compiled.build_s)
+    return bundle
+
+
+N_STEPS = 5  # load, float perplexity, quantize, compile, evaluate
+
+
+@dataclass
+class _Source:
+    """The model a build starts from, loaded once (step 1) and scored in float (step 2)."""
+
+    folder: Path
+    model: Any
+    prequantized: Recipe | None  # the checkpoint's own quantization (`edgefinfer quantize`); None: float
+    tokenizer: Any  # what the bundle ships: the peer runner's dialect of `source_tokenizer` where it has one
+    source_tokenizer: Any
+    test_ids: list[int]
+    prefix: list[int]  # what scoring puts first: [BOS] for models trained to see one (Gemma)
+    float_ppl: float | None
+
+
+@dataclass(frozen=True)
+class _Compiled:
+    """The artefact that ships: its recipe, files (the main one first), the exporter's metadata, the
+    figures its own runtime measured, and the seconds its compilation took."""
+
+    recipe: Recipe
+    files: list[str]
+    meta: dict[str, Any]
+    figures: dict[str, Any]
+    build_s: float
+
+
+def _check_up_front(opts: BuildOptions) -> tuple[Target, KVSpec, Recipe | None]:
+    """(target, KV cache, the recipe asked for): every option a user can get wrong, checked before any
+    work, each with a one-line UserError."""
     target = get_target(opts.target)
     target.check()  # a missing SDK fails here, before any work
     _check_budget(target, opts)
@@ -96,14 +159,14 @@ def build(opts: BuildOptions) -> Path:
     given = Recipe.parse(opts.recipe) if opts.recipe else None  # and a recipe no exporter knows
     if opts.draft is not None and not Path(opts.draft).is_dir():
         raise UserError(f"draft model folder {opts.draft} does not exist")
-    from edgefinfer.tokenizer import Tokenizer
+    return target, kv, given
 
-    out = Path(opts.out) if opts.out else default_out(target.name)
-    _remove_stale_temporaries(out)
-    folder = resolve_model(str(opts.model) if opts.model is not None else DEFAULT_MODEL)
-    log = StepLog()
-    n_steps = 5
-    done = log.step(1, n_steps, f"load {folder}")
+
+def _load_source(folder: Path, target: Target, opts: BuildOptions, log: StepLog) -> _Source:
+    """Steps 1 and 2: the model, its tokenizer and test tokens; its float perplexity."""
+    from edgefinfer.tokenization.tokenizer import Tokenizer
+
+    done = log.step(1, N_STEPS, f"load {folder}")
     model, prequantized = _load(folder)
     tokenizer = Tokenizer.from_dir(folder)
     test_ids = _test_tokens(tokenizer, opts.eval_tokens)
@@ -112,92 +175,99 @@ def build(opts: BuildOptions) -> Path:
         tokenizer = _runner_tokenizer(tokenizer, RUNNER_DIALECT[target.format], test_ids)
     done()
 
-    done = log.step(2, n_steps, "float perplexity (eager torch)")
+    done = log.step(2, N_STEPS, "float perplexity (eager torch)")
     prefix = tokenizer.scoring_prefix  # [BOS] for models trained to see one first (Gemma)
     float_ppl, reused = _float_perplexity(model, test_ids, opts.eval_window, prefix)
     done((f": {float_ppl:.3f}" if float_ppl else "") + (" (reused the artefact cache)" if reused else ""))
+    return _Source(folder, model, prequantized, tokenizer, source_tokenizer, test_ids, prefix, float_ppl)
 
-    recipe = given or Recipe.parse(default_recipe(target, folder))
+
+def _choose_recipe(source: _Source, target: Target, given: Recipe | None, opts: BuildOptions, log: StepLog
+                   ) -> tuple[Recipe, Any, Iterator[tuple[Recipe, Any]], list[Candidate], dict[str, Any]]:
+    """Step 3: (the first recipe to compile, its quantized model, the candidates after it, the candidates
+    tried, the matrices kept at the bits of the GGUF the weights came from). One candidate, unless a
+    quality budget asks for the smallest recipe within it; a UserError when none is."""
+    recipe = given or Recipe.parse(default_recipe(target, source.folder))
     # A default recipe re-quantizes no matrix below the bits its source GGUF gave it (an explicit one is
     # taken as it is, and a quality budget measures its candidates anyway).
-    kept = source_precision(folder, recipe) if given is None and opts.quality_budget is None else {}
-    if prequantized is not None:  # `edgefinfer quantize` already chose: export those codes as they are
+    kept = source_precision(source.folder, recipe) if given is None and opts.quality_budget is None else {}
+    model = source.model
+    if source.prequantized is not None:  # `edgefinfer quantize` already chose: export those codes as they are
         if opts.recipe or opts.quality_budget is not None:
-            raise UserError(f"{folder} is already quantized ({prequantized.name}); drop --recipe/--quality-budget "
-                            f"or build from the float checkpoint")
-        recipe = prequantized
-        done = log.step(3, n_steps, f"use the checkpoint's quantization ({recipe.name})")
+            raise UserError(f"{source.folder} is already quantized ({source.prequantized.name}); drop "
+                            "--recipe/--quality-budget or build from the float checkpoint")
+        recipe = source.prequantized
+        done = log.step(3, N_STEPS, f"use the checkpoint's quantization ({recipe.name})")
         quantized = model
     tried: list[Candidate] = []
     if opts.quality_budget is not None:
-        done = log.step(3, n_steps, f"choose the smallest recipe within +{opts.quality_budget}% perplexity")
-        candidates = eager_candidates(model, target, tokenizer, float_ppl, test_ids, opts, tried)
+        done = log.step(3, N_STEPS, f"choose the smallest recipe within +{opts.quality_budget}% perplexity")
+        candidates = eager_candidates(model, target, source.tokenizer, source.float_ppl, source.test_ids, opts, tried)
     else:
-        if prequantized is None:
-            done = log.step(3, n_steps, f"quantize ({recipe.name})")
+        if source.prequantized is None:
+            done = log.step(3, N_STEPS, f"quantize ({recipe.name})")
             check_recipe(model, target, recipe)
             if kept:
                 print(f"  {len(kept)} matrices stay at 8 bits: the GGUF the weights came from stored them with "
                       "more bits than the recipe's", file=sys.stderr)
-            quantized = quantize_for(model, target, recipe, tokenizer, kept)
+            quantized = quantize_for(model, target, recipe, source.tokenizer, kept)
         candidates = iter([(recipe, quantized)])
-    recipe, quantized = next(candidates, (None, None))
-    if recipe is None:
+    first, quantized = next(candidates, (None, None))
+    if first is None:
         raise budget_error(target, opts.quality_budget, tried)
-    done(f": {recipe.name}")
+    done(f": {first.name}")
+    return first, quantized, candidates, tried, kept
 
-    model_meta = {"name": folder.name, "config": model.config.to_hf(), "source": str(folder)}
-    with BundleWriter(out, target=target.name, model=model_meta) as writer:
-        tokenizer.save(writer.tmp)  # beside the artefact: its runtime loads it to evaluate
-        while True:  # with a budget: until a compiled artefact's own runtime confirms it
-            done = log.step(4, n_steps, f"compile {target.format} for {target.name} ({recipe.name})")
-            t_build = time.perf_counter()
-            art_files, meta = compile_artefact(target, quantized, tokenizer, recipe, kv, writer.tmp, opts)
-            build_s = time.perf_counter() - t_build
-            done(" (reused the artefact cache)" if meta.get("cached") else "")
-            done = log.step(5, n_steps, "evaluate the artefact with its runtime")
-            figures = evaluate_artefact(target, writer.tmp / art_files[0], test_ids, float_ppl, opts, prefix) \
-                if target.runs_here and test_ids else {}
-            done()
-            if opts.quality_budget is None or _confirmed(figures, opts.quality_budget, tried, target):
-                break
-            for f in art_files:  # over budget on its runtime: try the next candidate
-                (writer.tmp / f).unlink(missing_ok=True)
-            recipe, quantized = next(candidates, (None, None))
-            if recipe is None:
-                raise budget_error(target, opts.quality_budget, tried)
-        for name in ("tokenizer.json", "tokenizer_config.json"):
-            writer.add(name, format="tokenizer", role="tokenizer")
-        if (writer.tmp / "genai_config.json").is_file():  # onnxruntime-genai's own tokenizer, on the bundle
-            _check_genai_tokenizer(writer.tmp, source_tokenizer, tokenizer, test_ids)
-        (writer.tmp / "README.txt").write_text(bundle_readme(target, art_files[0], tokenizer))
-        writer.add("README.txt", format="text", role="readme")
-        main = art_files[0]
-        writer.add(main, format=target.format, role="model", backend=target.backend, recipe=recipe.name,
-                   **_manifest_meta(meta), metrics={**figures, "build_s": round(build_s, 1)})
-        for extra in art_files[1:]:
-            writer.add(extra, format=f"{target.format}-data", role="weights", backend=target.backend)
-        if opts.draft is not None:
-            _add_draft(writer, target, Path(opts.draft), tokenizer, kv, opts)
-        writer.manifest.recipe = {"name": recipe.name, "target_default": target.recipe,
-                                  "quality_budget_pct": opts.quality_budget}
-        if tried:
-            writer.manifest.recipe["candidates"] = [c.to_dict() for c in tried]
-        if kept:
-            writer.manifest.recipe["source_precision"] = {name: fmt.to_dict() for name, fmt in sorted(kept.items())}
-        writer.manifest.metrics = {"float_ppl": float_ppl, "eval_tokens": len(test_ids),
-                                   "eval_split": "test", **figures, "build_s": round(build_s, 1)}
-        bundle = writer.commit()
-    size = sum(a.size for a in writer.manifest.artefacts if a.role in ("model", "weights"))
-    print_summary(target, recipe.name, main, size, float_ppl, figures, build_s)
-    return bundle
+
+def _compile_within_budget(folder: Path, target: Target, source: _Source, recipe: Recipe, quantized: Any,
+                           candidates: Iterator[tuple[Recipe, Any]], tried: list[Candidate], kv: KVSpec,
+                           opts: BuildOptions, log: StepLog) -> _Compiled:
+    """Steps 4 and 5: compile `quantized` into `folder` and measure it with its own runtime. With a
+    quality budget, a candidate over it on its runtime is deleted and the next one compiled, until one
+    is confirmed (a UserError when none is): the eager score alone does not ship a recipe."""
+    while True:
+        done = log.step(4, N_STEPS, f"compile {target.format} for {target.name} ({recipe.name})")
+        t_build = time.perf_counter()
+        files, meta = compile_artefact(target, quantized, source.tokenizer, recipe, kv, folder, opts)
+        build_s = time.perf_counter() - t_build
+        done(" (reused the artefact cache)" if meta.get("cached") else "")
+        done = log.step(5, N_STEPS, "evaluate the artefact with its runtime")
+        figures = evaluate_artefact(target, folder / files[0], source.test_ids, source.float_ppl, opts,
+                                    source.prefix) if target.runs_here and source.test_ids else {}
+        done()
+        if opts.quality_budget is None or _confirmed(figures, opts.quality_budget, tried, target):
+            return _Compiled(recipe, files, meta, figures, build_s)
+        for f in files:  # over budget on its runtime: try the next candidate
+            (folder / f).unlink(missing_ok=True)
+        recipe, quantized = next(candidates, (None, None))
+        if recipe is None:
+            raise budget_error(target, opts.quality_budget, tried)
+
+
+def _fill_bundle(writer: BundleWriter, target: Target, source: _Source, compiled: _Compiled, kv: KVSpec,
+                 opts: BuildOptions) -> None:
+    """Add to the bundle being written what sits beside the artefact: the tokenizer, the README, the
+    artefact's manifest entries (the main file with its recipe and figures) and the draft model."""
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        writer.add(name, format="tokenizer", role="tokenizer")
+    if (writer.tmp / "genai_config.json").is_file():  # onnxruntime-genai's own tokenizer, on the bundle
+        _check_genai_tokenizer(writer.tmp, source.source_tokenizer, source.tokenizer, source.test_ids)
+    main, *extras = compiled.files
+    (writer.tmp / "README.txt").write_text(bundle_readme(target, main, source.tokenizer))
+    writer.add("README.txt", format="text", role="readme")
+    writer.add(main, format=target.format, role="model", backend=target.backend, recipe=compiled.recipe.name,
+               **_manifest_meta(compiled.meta), metrics={**compiled.figures, "build_s": round(compiled.build_s, 1)})
+    for extra in extras:
+        writer.add(extra, format=f"{target.format}-data", role="weights", backend=target.backend)
+    if opts.draft is not None:
+        _add_draft(writer, target, Path(opts.draft), source.tokenizer, kv, opts)
 
 
 # ---- steps ----------------------------------------------------------------------------------------------
 
 def _load(folder: Path) -> tuple[Any, Recipe | None]:
     """(model, its recipe) for a quantized checkpoint, (model, None) for a float one."""
-    from edgefinfer.checkpoint import load_config, load_model
+    from edgefinfer.model.checkpoint import load_config, load_model
 
     if "quantization_config" not in load_config(folder).extra:
         return load_model(folder), None
@@ -244,7 +314,7 @@ def _remove_stale_temporaries(out: Path) -> None:
 def _test_tokens(tokenizer, n: int) -> list[int]:
     if n <= 0:
         return []
-    from edgefinfer.data import load_text
+    from edgefinfer.data.corpora import load_text
 
     return tokenizer.encode(load_text("test")[: n * 8])[:n]
 
@@ -253,7 +323,7 @@ def _perplexity_of(logits_fn, ids: list[int], window: int, prefix: list[int] = (
     """Disjoint windows: every window starts from an empty cache, as a phone's prompt would."""
     import torch
 
-    from edgefinfer.evaluate import perplexity
+    from edgefinfer.data.evaluate import perplexity
 
     return perplexity(lambda t: torch.as_tensor(logits_fn(t)), ids, window=window, stride=window, prefix=prefix).ppl
 
@@ -264,7 +334,7 @@ def default_recipe(target: Target, folder: Path) -> str:
     while another 4-bit grid adds a second rounding (bench/results/gemma3.json, `grids`: Gemma 3 270M,
     from Q4_K_M, and SmolLM2-135M, from Q4_1, each built both ways)."""
     from edgefinfer.compile.gguf_export import LLAMA_FTYPES
-    from edgefinfer.gguf_import import source_gguf_type
+    from edgefinfer.model.gguf_import import source_gguf_type
 
     grid = source_gguf_type(folder) if target.format == "gguf" else None
     return f"llamacpp-{grid}" if grid in LLAMA_FTYPES else target.recipe
@@ -275,12 +345,12 @@ def _float_perplexity(model, test_ids: list[int], window: int, prefix: list[int]
     tokens by the same code before (a rebuild), else measured and stored."""
     if not test_ids:
         return None, False
-    from edgefinfer import cache, config, evaluate
-    from edgefinfer import model as model_module
     from edgefinfer.compile.artefact_cache import cached_figures
+    from edgefinfer.data import evaluate
+    from edgefinfer.model import config, kv_cache, transformer
 
     options = {"test_ids": test_ids, "window": window, "prefix": list(prefix)}
-    sources = (evaluate.__file__, model_module.__file__, cache.__file__, config.__file__)  # what the score runs
+    sources = (evaluate.__file__, transformer.__file__, kv_cache.__file__, config.__file__)  # what the score runs
     figures, reused = cached_figures("float-ppl", model, options, sources,
                                      lambda: {"ppl": _perplexity_of(lambda ids: model(ids), test_ids, window, prefix)})
     return figures["ppl"], reused
@@ -293,7 +363,7 @@ def source_precision(folder: Path, recipe: Recipe) -> dict[str, Any]:
     is what both the XNNPACK and the MatMulNBits exports take beside 4-bit layers. Empty for recipes
     outside our integer grammar and for models not converted from a GGUF."""
     from edgefinfer.compile.quant.recipe import WeightFormat
-    from edgefinfer.gguf_import import source_tensor_bits
+    from edgefinfer.model.gguf_import import source_tensor_bits
 
     bits = source_tensor_bits(folder)
     if not bits or not recipe.quantized_by_us:
@@ -367,7 +437,7 @@ def compile_artefact(target: Target, model, tokenizer, recipe: Recipe, cache: KV
 
         # Quantized layers keep their codes (Q4_0 / Q4_1 / Q8_0, or refused); float matrices are F16,
         # or, for llamacpp-* recipes, whatever llama.cpp's quantizer makes of them.
-        dtype = recipe.variant if recipe.kind == "llamacpp" else "f16"
+        dtype = recipe.variant if recipe.kind is RecipeKind.LLAMACPP else "f16"
         return ["model.gguf"], export_gguf(model, tokenizer, folder / "model.gguf", dtype)
     if target.format == "pte":
         from edgefinfer.compile.executorch_export import export_pte
@@ -376,12 +446,12 @@ def compile_artefact(target: Target, model, tokenizer, recipe: Recipe, cache: KV
 
         # A quantized model goes as it is (8da4w if any linear is 4-bit, else 8da8w); float and QDQ recipes
         # name ExecuTorch's scheme themselves (fp32 / fp16, NeuroPilot's qdq-*).
-        et_recipe = (scheme_of(model) if is_quantized(model) else recipe.variant if recipe.kind == "float"
+        et_recipe = (scheme_of(model) if is_quantized(model) else recipe.variant if recipe.kind is RecipeKind.FLOAT
                      else recipe.name)
         options = (dict(kv=cache.layout, window=cache.window, num_sinks=cache.sinks) if cache.streams else
                    dict(kv=cache.layout, max_seq_len=opts.max_seq_len))
         if target.delegate == "neuropilot":  # its static quantizer observes calibration text
-            from edgefinfer.data import load_text
+            from edgefinfer.data.corpora import load_text
 
             options["calibration"] = [tokenizer.encode(load_text("calib")[:8000])[:256]]
         meta = export_pte(model, folder / "model.pte", recipe=et_recipe, backend=target.delegate or "xnnpack",
@@ -395,13 +465,13 @@ def compile_artefact(target: Target, model, tokenizer, recipe: Recipe, cache: KV
         files = [meta["model_file"]] + [f for f in meta["files"] if f != meta["model_file"]]
         return files, meta
     if target.format == "qnn-context":
-        from edgefinfer.compile.qnn import build_qnn
-        from edgefinfer.data import load_text
+        from edgefinfer.compile.qnn import QnnScheme, build_qnn
+        from edgefinfer.data.corpora import load_text
         from edgefinfer.runtime.backends.ort import attention_sink, recorded_feeds
 
         # Activation ranges from 4 prompt-processor calls (64 tokens each) over calibration text.
         calib = [tokenizer.encode(load_text("calib")[:8000])[:256]]
-        scheme = recipe.variant if recipe.kind == "qdq" else "a16w8"
+        scheme = QnnScheme.parse(recipe.variant) if recipe.kind is RecipeKind.QDQ else QnnScheme.A16W8
         meta = build_qnn(model, folder, soc=opts.soc, context=opts.max_seq_len, scheme=scheme, calibration=calib,
                          progress=lambda m: print(f"  {m}", file=sys.stderr), record_feeds=recorded_feeds,
                          sink_token=sink_token(tokenizer), sink_of=attention_sink)
@@ -463,7 +533,7 @@ def evaluate_artefact(target: Target, path: Path, test_ids: list[int], float_ppl
 
     ppl = _perplexity_of(logits_fn, test_ids, min(opts.eval_window, backend.max_seq_len), prefix)
     # Speed through the runtime's own token loop: 64 prompt tokens, then 33 greedy tokens (no stop ids).
-    from edgefinfer.generation import GenerationStats
+    from edgefinfer.decoding.generation import GenerationStats
     from edgefinfer.runtime.decode import generate_tokens
 
     stats = GenerationStats()
@@ -476,9 +546,9 @@ def evaluate_artefact(target: Target, path: Path, test_ids: list[int], float_ppl
 
 def check_recipe(model, target: Target, recipe: Recipe) -> None:
     """A one-line UserError, before any work, if `recipe` cannot make `target`'s artefact from `model`."""
-    if recipe.kind in ("float", "qdq"):
+    if recipe.kind in (RecipeKind.FLOAT, RecipeKind.QDQ):
         return  # the exporters check these themselves, up front
-    if recipe.kind == "llamacpp":
+    if recipe.kind is RecipeKind.LLAMACPP:
         from edgefinfer.compile.gguf_export import LLAMA_FTYPES
 
         if target.format != "gguf" or recipe.variant not in LLAMA_FTYPES:
@@ -542,7 +612,7 @@ def eager_candidates(model, target: Target, tokenizer, float_ppl: float, test_id
             tried.append(Candidate(name, skipped=str(e)))
             continue
         quantized = quantize_for(model, target, recipe, tokenizer)
-        scored, size = (_llamacpp_weights(model, tokenizer, recipe) if recipe.kind == "llamacpp" else
+        scored, size = (_llamacpp_weights(model, tokenizer, recipe) if recipe.kind is RecipeKind.LLAMACPP else
                         (quantized, model_size_bytes(quantized)))
         ppl = _perplexity_of(lambda ids: scored(ids), test_ids, opts.eval_window, tokenizer.scoring_prefix)
         tried.append(Candidate(name, size_bytes=size,
@@ -560,7 +630,7 @@ def _llamacpp_weights(model, tokenizer, recipe: Recipe):
     import tempfile
 
     from edgefinfer.compile.gguf_export import export_gguf
-    from edgefinfer.gguf_import import import_gguf
+    from edgefinfer.model.gguf_import import import_gguf
 
     with tempfile.TemporaryDirectory() as tmp:
         export_gguf(model, tokenizer, Path(tmp) / "m.gguf", recipe.variant)
@@ -593,8 +663,8 @@ def budget_error(target: Target, budget: float, tried: list[Candidate]) -> UserE
 
 
 def _add_draft(writer: BundleWriter, target: Target, draft: Path, tokenizer, kv: KVSpec, opts: BuildOptions) -> None:
-    from edgefinfer.checkpoint import load_model
-    from edgefinfer.tokenizer import Tokenizer
+    from edgefinfer.model.checkpoint import load_model
+    from edgefinfer.tokenization.tokenizer import Tokenizer
 
     if Tokenizer.from_dir(draft).backend.to_str() != tokenizer.backend.to_str():
         raise UserError(f"draft model {draft} has a different tokenizer than the target; it cannot draft for it")

@@ -7,7 +7,7 @@ runners take a prompt string and apply no template). Pure text: no imports beyon
 
 from __future__ import annotations
 
-from edgefinfer.targets import Target
+from edgefinfer.bundle.targets import Target
 
 PROMPT = "{prompt}"
 

@@ -164,9 +164,9 @@ def chat(bundle: str, backend: str | None, max_tokens: int, temperature: float, 
          threads: int | None, messages: str | None, session_file: str | None) -> None:
     """Chat with BUNDLE (or a .pte / .onnx / .gguf / HF folder): streaming replies in the model's chat
     template; each turn prefills only the new tokens."""
-    from edgefinfer.quiet import quiet
+    from edgefinfer.libraries.quiet import quiet
     from edgefinfer.runtime.engine import Engine
-    from edgefinfer.sampling import SamplingParams
+    from edgefinfer.decoding.sampling import SamplingParams
 
     lines = read_lines(messages) if messages is not None else None  # a missing file fails before loading
     with quiet(load_ort=False):

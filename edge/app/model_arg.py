@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from edgefinfer.resolve import resolve
+from edgefinfer.bundle.resolve import resolve
 
 DEFAULT_MODEL = "smollm2-135m"
 

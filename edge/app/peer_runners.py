@@ -49,7 +49,7 @@ class PeerRow:
 
 def check_bundle(bundle: str | Path, max_new_tokens: int = 32) -> list[PeerRow]:
     """Run `bundle` in its peer's runner: greedy tokens for a plain and a chat prompt, and probe ids."""
-    from edgefinfer.bundle import load_manifest
+    from edgefinfer.bundle.manifest import load_manifest
 
     folder = Path(bundle)
     manifest = load_manifest(folder)
@@ -144,7 +144,7 @@ def _byte_level_decoder() -> dict[str, int]:
 
 def _check_executorch(bundle: Path, target: str, pte: Path, n: int) -> list[PeerRow]:
     from edgefinfer.compile.runner_tokenizer import load_runner_tokenizer
-    from edgefinfer.tokenizer import Tokenizer
+    from edgefinfer.tokenization.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_dir(bundle)
     cpp = load_runner_tokenizer(bundle / "tokenizer.json")
@@ -191,7 +191,7 @@ def genai_greedy(bundle: Path, prompt: str, max_new_tokens: int) -> tuple[list[i
 
 def _check_genai(bundle: Path, target: str, model: Path, n: int) -> list[PeerRow]:
     from edgefinfer.compile.runner_tokenizer import genai_encoder
-    from edgefinfer.tokenizer import Tokenizer
+    from edgefinfer.tokenization.tokenizer import Tokenizer
 
     if not (bundle / "genai_config.json").is_file():
         raise UserError(f"{bundle} has no genai_config.json (a --kv window bundle): onnxruntime-genai cannot run it")
@@ -212,7 +212,7 @@ def _check_genai(bundle: Path, target: str, model: Path, n: int) -> list[PeerRow
 
 def _stop_ids(bundle: Path) -> set[int]:
     """The bundle's stop ids, by the rule `edgefinfer run` and `serve` use (`ModelSource.stop_ids`)."""
-    from edgefinfer.resolve import resolve
+    from edgefinfer.bundle.resolve import resolve
 
     src = resolve(bundle)
     return set(src.stop_ids(src.tokenizer()))
@@ -264,7 +264,7 @@ def llamacpp_greedy(llm, prompt: str, max_new_tokens: int, stops: set[int]) -> t
 def _check_llamacpp(bundle: Path, target: str, gguf: Path, n: int) -> list[PeerRow]:
     from llama_cpp import Llama
 
-    from edgefinfer.tokenizer import Tokenizer
+    from edgefinfer.tokenization.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_dir(bundle)
     # The context edgefinfer's llama.cpp backend opens (2048 cells, F32 KV, 512-token batches): with
@@ -291,7 +291,7 @@ def _check_llamacpp(bundle: Path, target: str, gguf: Path, n: int) -> list[PeerR
 # ---- Qualcomm QNN -------------------------------------------------------------------------------------
 
 def _check_qnn(bundle: Path, target: str, model: Path, n: int) -> list[PeerRow]:
-    from edgefinfer.resolve import resolve
+    from edgefinfer.bundle.resolve import resolve
     from edgefinfer.runtime.backends.ort import open_qnn
     from edgefinfer.runtime.engine import Engine
 

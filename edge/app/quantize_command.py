@@ -68,12 +68,12 @@ def quantize(model: str, recipe_name: str, output: Path, calib_blocks: int, cali
     import torch
 
     from edgefinfer.app.model_arg import resolve_model
-    from edgefinfer.checkpoint import load_model
+    from edgefinfer.model.checkpoint import load_model
     from edgefinfer.compile.quant.apply import plan_formats, quantize_model
     from edgefinfer.compile.quant.checkpoint import read_quantization_config, save_quantized
     from edgefinfer.compile.quant.recipe import parse_recipe
     from edgefinfer.compile.quant.report import build_report, float_size_bytes, measure_quality, summary_table
-    from edgefinfer.tokenizer import Tokenizer
+    from edgefinfer.tokenization.tokenizer import Tokenizer
 
     if threads:
         torch.set_num_threads(threads)
@@ -107,7 +107,7 @@ def quantize(model: str, recipe_name: str, output: Path, calib_blocks: int, cali
     result = quantize_model(qmodel, recipe, calib, progress=say)
     quality = None
     if eval_tokens:
-        from edgefinfer.data import load_text
+        from edgefinfer.data.corpora import load_text
 
         say(f"evaluating on {eval_tokens} test tokens (window {window}, stride {stride})")
         ids = torch.tensor(tok.encode(load_text("test")))
@@ -133,7 +133,7 @@ def _is_recipe(text: str) -> bool:
 
 def calibration_split(split: str = CALIB_SPLIT) -> str:
     """`split`, or Austen's `calib` where this version of the corpora has no mixed calibration text."""
-    from edgefinfer.data import SPLITS
+    from edgefinfer.data.corpora import SPLITS
 
     return split if split != "calib-mix" or split in SPLITS else "calib"
 
@@ -145,7 +145,7 @@ def default_calibration(tok):
 
 def _calibration_blocks(tok, calib_text: Path | None, calib_len: int, calib_blocks: int, seed: int, method: str,
                         split: str = CALIB_SPLIT):
-    from edgefinfer.data import SPLITS, load_text, token_blocks
+    from edgefinfer.data.corpora import SPLITS, load_text, token_blocks
 
     if calib_blocks < 1:
         raise UserError(f"the calibration set is empty (--calib-blocks {calib_blocks}): {method} needs at least one "

@@ -2,7 +2,7 @@
 
 The program holds its KV cache in mutable buffers that persist between calls, so a backend is one
 sequence. The cache layout and limits are read from the program's own constant methods
-(`edgefinfer.artefact` writes and reads them): no side file is needed.
+(`edgefinfer.bundle.artefact` writes and reads them): no side file is needed.
 
 Rollback and reset are positional and cost nothing: a forward at `start_pos` hides every cached
 entry at a position >= start_pos (causality in the static cache; the ring cache marks those slots
@@ -36,7 +36,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from edgefinfer.artefact import read_spec
+from edgefinfer.bundle.artefact import read_spec
 from edgefinfer.errors import UserError
 from edgefinfer.runtime.backends.base import UNBOUNDED
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from edgefinfer.errors import UserError
-from edgefinfer.model_files import check_gguf
+from edgefinfer.files.untrusted import check_gguf
 
 KV_TYPES = {"f32": 0, "f16": 1}  # ggml_type ids
 
@@ -80,7 +80,7 @@ class LlamaModel:
         self.path = Path(path)
         if not self.path.is_file():
             raise UserError(f"GGUF file {self.path} does not exist")
-        # llama.cpp aborts the whole process on some hostile headers (edgefinfer.model_files): the one
+        # llama.cpp aborts the whole process on some hostile headers (edgefinfer.files.untrusted): the one
         # place that hands a GGUF to llama.cpp checks it first, for the runtime and the server alike.
         check_gguf(self.path)
         params = lib.llama_model_default_params()

@@ -2,7 +2,7 @@
 (`OrtStaticBackend`, the Qualcomm QNN / NPU form). Both implement `Backend`.
 
 Nothing here imports the exporter (a phone has none): what a backend needs to know is read from
-the graph's inputs and its metadata (`edgefinfer.artefact.read_spec`).
+the graph's inputs and its metadata (`edgefinfer.bundle.artefact.read_spec`).
 
 OrtBackend keeps each layer's keys and values in one ONNX Runtime tensor of `max_seq_len` slots,
 bound through IO binding as both `past_key_values.i.*` and `present.i.*`; GroupQueryAttention then
@@ -30,10 +30,10 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from edgefinfer.artefact import read_spec
+from edgefinfer.bundle.artefact import read_spec
 from edgefinfer.errors import UserError
-from edgefinfer.ort_ep import import_ort as _import_ort
-from edgefinfer.ort_ep import qnn_context_session
+from edgefinfer.libraries.ort_ep import import_ort as _import_ort
+from edgefinfer.libraries.ort_ep import qnn_context_session
 from edgefinfer.runtime.backends.base import UNBOUNDED
 from edgefinfer.runtime.backends.ort_window import WindowedKV
 
@@ -64,7 +64,7 @@ def session_options(threads: int | None):
     return so
 
 
-# ---- Qualcomm QNN (the onnxruntime-qnn plugin EP; its session helpers are in edgefinfer.ort_ep) ----
+# ---- Qualcomm QNN (the onnxruntime-qnn plugin EP; its session helpers are in edgefinfer.libraries.ort_ep) ----
 
 QNN_EPS = ("auto", "qnn", "cpu")
 

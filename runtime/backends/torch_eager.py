@@ -7,9 +7,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from edgefinfer.cache import StaticCache
+from edgefinfer.model.kv_cache import StaticCache
 from edgefinfer.errors import UserError
-from edgefinfer.model import Transformer
+from edgefinfer.model.transformer import Transformer
 from edgefinfer.runtime.backends.base import UNBOUNDED
 from edgefinfer.runtime.kv.window import SlidingWindowCache
 
@@ -42,7 +42,7 @@ class TorchBackend:
         return self.model(ids, pos, self.cache)[0].float().numpy()
 
     def rollback(self, length: int) -> None:
-        pass  # positional: stale entries are overwritten or masked (see edgefinfer.cache)
+        pass  # positional: stale entries are overwritten or masked (see edgefinfer.model.kv_cache)
 
     def export_cache(self, length: int) -> dict[str, np.ndarray]:
         """The cache contents that hold positions < `length` (a saved session), as float32 arrays:

@@ -5,7 +5,7 @@ Pool layout per layer: `[num_blocks * block_size + 1, Hkv, D]`, indexed by flat 
 trash slot that absorbs the writes of padding tokens in a ragged batch.
 
 A forward over a ragged batch of sequences uses a `PagedBatch` as its KV cache (the `KVCache`
-protocol of `edgefinfer.cache`): it writes each row's new tokens at their slots and gathers each
+protocol of `edgefinfer.model.kv_cache`): it writes each row's new tokens at their slots and gathers each
 row's keys through its block table. Each key slot carries its position (from its block's index in
 the table), and slots at or past the row's length are marked empty, so the model's usual
 position-derived mask is exactly causal (or sliding-window) attention over the sequence, with no
@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from edgefinfer.config import ModelConfig
+from edgefinfer.model.config import ModelConfig
 from edgefinfer.runtime.kv.paged_manager import NULL_BLOCK, CopyOp, SeqId
 
 

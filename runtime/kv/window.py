@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from edgefinfer.config import ModelConfig
+from edgefinfer.model.config import ModelConfig
 from edgefinfer.errors import UserError
 
 

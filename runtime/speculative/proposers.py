@@ -13,7 +13,7 @@ The contract every proposer follows:
   accepted. Use one instance per concurrent sequence.
 
 Nothing here knows a backend: a draft model is any `DraftStep` callable (`torch_model_step` adapts
-an `edgefinfer.model.Transformer` with a `StaticCache`; an ONNX or llama.cpp draft needs a few lines).
+an `edgefinfer.model.transformer.Transformer` with a `StaticCache`; an ONNX or llama.cpp draft needs a few lines).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from edgefinfer.errors import UserError
-from edgefinfer.sampling import SamplingParams, logits_to_probs, sample_from_probs
+from edgefinfer.decoding.sampling import SamplingParams, logits_to_probs, sample_from_probs
 
 
 @dataclass(frozen=True)
@@ -212,7 +212,7 @@ def _common_prefix(a: list[int], b: list[int], hint: int) -> int:
 def torch_model_step(model: Callable[..., Tensor], cache: object, device: torch.device | str = "cpu") -> DraftStep:
     """A `DraftStep` for `model(tokens [1, S], input_pos [S], cache) -> logits [1, S, V]`.
 
-    Fits `edgefinfer.model.Transformer` with a batch-1 `StaticCache`, whose slots are indexed by
+    Fits `edgefinfer.model.transformer.Transformer` with a batch-1 `StaticCache`, whose slots are indexed by
     position, so no rollback callback is needed.
     """
     @torch.inference_mode()

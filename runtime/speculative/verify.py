@@ -10,7 +10,7 @@ round therefore emits between 1 and k+1 tokens for one target step.
 Two rules, both exact (the output follows the same distribution as target-only decoding):
 
 * greedy (temperature 0): d_i is kept while it equals argmax(target row i-1); ties break like
-  `torch.argmax`, i.e. like `edgefinfer.sampling.next_token`.
+  `torch.argmax`, i.e. like `edgefinfer.decoding.sampling.next_token`.
 * sampling (temperature > 0): rejection sampling (Leviathan et al. 2023, Chen et al. 2023). d_i is
   kept with probability min(1, p(d_i) / q(d_i)); at the first rejection the token is drawn from
   normalize(max(0, p - q)); if every draft is kept the bonus is drawn from p at row k.
@@ -18,7 +18,7 @@ Two rules, both exact (the output follows the same distribution as target-only d
 Requirements for losslessness, which the caller must meet:
 
 * `target_probs` must be the very distribution target-only decoding would sample from at each row:
-  `edgefinfer.sampling.logits_to_probs(logits, temperature, top_k, top_p)` with the same parameters,
+  `edgefinfer.decoding.sampling.logits_to_probs(logits, temperature, top_k, top_p)` with the same parameters,
   after any logits processing (e.g. a repetition penalty, computed per row with that row's own prefix
   context, drafted tokens included).
 * `draft_probs` row i must be the distribution d_i was actually drawn from. Computing it with the
@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from edgefinfer.sampling import SamplingParams, logits_to_probs, sample_from_probs
+from edgefinfer.decoding.sampling import SamplingParams, logits_to_probs, sample_from_probs
 
 
 @dataclass(frozen=True)

@@ -24,10 +24,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
-from edgefinfer.atomic import atomic_dir
+from edgefinfer.files.atomic import atomic_dir
 from edgefinfer.errors import UserError
-from edgefinfer.file_hash import known_sha256, sha256_file
-from edgefinfer.model_files import read_json
+from edgefinfer.files.hashes import known_sha256, sha256_file
+from edgefinfer.files.untrusted import read_json
 
 FORMAT = "edgefinfer-bundle"
 FORMAT_VERSION = 1

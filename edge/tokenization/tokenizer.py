@@ -15,7 +15,7 @@ import jinja2.sandbox
 from tokenizers import Tokenizer as HFTokenizer
 
 from edgefinfer.errors import UserError
-from edgefinfer.model_files import MAX_TOKENIZER_BYTES, check_file_size, read_json
+from edgefinfer.files.untrusted import MAX_TOKENIZER_BYTES, check_file_size, read_json
 
 
 class Tokenizer:
@@ -202,7 +202,7 @@ def _normalizers(raw: dict[str, Any]) -> list[dict[str, Any]]:
 
 def sentencepiece_style(raw: dict[str, Any]) -> bool:
     """A tokenizer.json BPE that writes spaces as "▁" and falls back to bytes (SentencePiece's form, what
-    `edgefinfer.gguf_spm` builds from a GGUF)."""
+    `edgefinfer.tokenization.gguf_spm` builds from a GGUF)."""
     return bool((raw.get("model") or {}).get("byte_fallback")) and any(
         n.get("type") == "Replace" and n.get("content") == "\u2581" for n in _normalizers(raw))
 

@@ -3,7 +3,7 @@ enters (the CLI, the Python API, a manifest) and passed on as this value.
 
     float      fp32 | fp16              the exporter keeps float weights (fp16: Core ML's compute
                                         precision, a GGUF's F16 matrices)
-    quant      the quantization grammar of `edgefinfer.quant_recipe` (int4-g32, 8da4w-gptq-g32-fzp,
+    quant      the quantization grammar of `edgefinfer.bundle.quant_recipe` (int4-g32, 8da4w-gptq-g32-fzp,
                8da8w, fp8, ...): our quantizers make it, `quant` holds its typed description
     qdq        qdq-SCHEME (qdq-a16w8, ...)   static activation + weight quantization by the exporter
                                         itself (QNN's QDQ graphs, MediaTek's NeuropilotQuantizer)
@@ -18,12 +18,23 @@ recipe's spelling. Foundation: a pure value, like the grammar it wraps.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from enum import StrEnum
 
 from edgefinfer.errors import UserError
-from edgefinfer.quant_recipe import QuantRecipe, parse_recipe
+from edgefinfer.bundle.quant_recipe import QuantRecipe, parse_recipe
 
-Kind = Literal["float", "quant", "qdq", "llamacpp"]
+
+
+class RecipeKind(StrEnum):
+    """Who makes a recipe's weights (the table above): the exporter keeps them float, our quantizers
+    make them, the exporter quantizes statically (QDQ), or llama.cpp's quantizer does."""
+
+    FLOAT = "float"
+    QUANT = "quant"
+    QDQ = "qdq"
+    LLAMACPP = "llamacpp"
+
+
 FLOAT_NAMES: tuple[str, ...] = ("fp32", "fp16")
 QDQ_PREFIX = "qdq-"
 LLAMACPP_PREFIX = "llamacpp-"
@@ -32,7 +43,7 @@ LLAMACPP_PREFIX = "llamacpp-"
 @dataclass(frozen=True)
 class Recipe:
     name: str  # as the user (or the target, or a checkpoint) named it; what the manifest records
-    kind: Kind
+    kind: RecipeKind
     quant: QuantRecipe | None = None  # kind "quant": what our quantizers apply
     # kind "float": fp32 | fp16; "qdq": the exporter's scheme (a16w8); "llamacpp": the file type (q4_1)
     variant: str | None = None
@@ -41,21 +52,21 @@ class Recipe:
     def parse(cls, name: str) -> "Recipe":
         """The recipe `name` names; a one-line UserError (the grammar's) when it names none."""
         if name in FLOAT_NAMES:
-            return cls(name, "float", variant=name)
-        for prefix, kind in ((QDQ_PREFIX, "qdq"), (LLAMACPP_PREFIX, "llamacpp")):
+            return cls(name, RecipeKind.FLOAT, variant=name)
+        for prefix, kind in ((QDQ_PREFIX, RecipeKind.QDQ), (LLAMACPP_PREFIX, RecipeKind.LLAMACPP)):
             if name.startswith(prefix) and name != prefix:
-                return cls(name, kind, variant=name.removeprefix(prefix))  # type: ignore[arg-type]
-        return cls(name, "quant", quant=parse_recipe(name))
+                return cls(name, kind, variant=name.removeprefix(prefix))
+        return cls(name, RecipeKind.QUANT, quant=parse_recipe(name))
 
     @classmethod
     def of(cls, quant: QuantRecipe) -> "Recipe":
         """A recipe already described (a quantized checkpoint's `quantization_config`)."""
-        return cls(quant.name, "quant", quant=quant)
+        return cls(quant.name, RecipeKind.QUANT, quant=quant)
 
     @property
     def quantized_by_us(self) -> bool:
         """Whether our quantizers make it (float, QDQ and llama.cpp's quantizer are the exporters')."""
-        return self.kind == "quant"
+        return self.kind is RecipeKind.QUANT
 
     def __str__(self) -> str:
         return self.name

@@ -21,7 +21,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor, nn
 
-from edgefinfer.config import ModelConfig
+from edgefinfer.model.config import ModelConfig
 
 
 @runtime_checkable

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from edgefinfer.errors import UserError
-from edgefinfer.structured import Constraint
+from edgefinfer.decoding.structured import Constraint
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}

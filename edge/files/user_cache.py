@@ -1,5 +1,5 @@
 """Where edgefinfer keeps what it fetches, converts or remembers on this machine (standard library only:
-the runtime asks for it at start-up, `edgefinfer.file_hash`, and must not import torch to do so)."""
+the runtime asks for it at start-up, `edgefinfer.files.hashes`, and must not import torch to do so)."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@
     resolve("smollm2-135m", names="gguf")    a shipped reference model (its GGUF, or its checkpoint)
 
 The answer, a `ModelSource`, names the backend that runs it and, for a bundle, the manifest entry and
-its typed description (`edgefinfer.artefact.ArtefactSpec`). A bare file's own description is read by
+its typed description (`edgefinfer.bundle.artefact.ArtefactSpec`). A bare file's own description is read by
 its runtime when it opens the file. Foundation: this reads folders and manifests and opens no runtime.
 """
 
@@ -16,13 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from edgefinfer.artefact import ArtefactSpec, read_spec
-from edgefinfer.bundle import MANIFEST, Artefact, Manifest, load_manifest
-from edgefinfer.config import normalize_eos_ids
+from edgefinfer.bundle.artefact import ArtefactSpec, read_spec
+from edgefinfer.bundle.manifest import MANIFEST, Artefact, Manifest, load_manifest
+from edgefinfer.model.config import normalize_eos_ids
 from edgefinfer.errors import UserError
 
 if TYPE_CHECKING:
-    from edgefinfer.tokenizer import Tokenizer
+    from edgefinfer.tokenization.tokenizer import Tokenizer
 
 Kind = Literal["bundle", "artefact", "checkpoint"]
 # The backend that runs each artefact file type (a bundle's entries name theirs).
@@ -63,12 +63,12 @@ class ModelSource:
         """The model's tokenizer, found one way for `run`, `serve` and the checks: a tokenizer.json in
         the model's folder (a bundle's, a HF folder's, or one put beside a bare artefact), else a
         GGUF's own vocabulary (split as llama.cpp splits it). A one-line UserError when neither is."""
-        from edgefinfer.tokenizer import Tokenizer
+        from edgefinfer.tokenization.tokenizer import Tokenizer
 
         if (self.folder / "tokenizer.json").is_file():
             return Tokenizer.from_dir(self.folder)
         if self.is_gguf:
-            from edgefinfer.gguf_import import gguf_vocabulary
+            from edgefinfer.model.gguf_import import gguf_vocabulary
 
             return gguf_vocabulary(self.path)[0]
         raise UserError(f"no tokenizer.json next to {self.path}; put the model's tokenizer.json beside it")
@@ -78,11 +78,11 @@ class ModelSource:
         of the model's config (config.json, a bundle's manifest copy) where one names them, else a
         GGUF's own (EOS, EOT, EOM and the control tokens llama.cpp ends on), then the tokenizer's EOS.
         A bare .gguf therefore stops where llama.cpp stops, whichever command runs it."""
-        from edgefinfer.generation import stop_token_ids
+        from edgefinfer.decoding.generation import stop_token_ids
 
         eos = self.eos_ids
         if eos is None and self.is_gguf:
-            from edgefinfer.gguf_import import gguf_vocabulary
+            from edgefinfer.model.gguf_import import gguf_vocabulary
 
             eos = gguf_vocabulary(self.path)[1]
         return stop_token_ids(eos or (), tokenizer)
@@ -132,7 +132,7 @@ def _bundle(folder: Path, backend: str | None, format: str | None) -> ModelSourc
 
 def _named(model: str, names: Literal["checkpoint", "gguf"] | None) -> ModelSource:
     if names is not None and "/" not in model and not Path(model).suffix:  # else a mistyped path
-        from edgefinfer import reference
+        from edgefinfer.model import reference
 
         if model in reference.MODELS:
             if names == "gguf":
@@ -149,6 +149,6 @@ def _read_config(folder: Path) -> dict[str, Any] | None:
     file = folder / "config.json"
     if not file.is_file():
         return None
-    from edgefinfer.model_files import read_json
+    from edgefinfer.files.untrusted import read_json
 
     return read_json(file, "fix or replace the model's config.json")

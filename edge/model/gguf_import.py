@@ -41,22 +41,22 @@ import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
-from edgefinfer.config import FULL, SLIDING, ModelConfig, normalize_eos_ids
+from edgefinfer.model.config import FULL, SLIDING, ModelConfig, normalize_eos_ids
 from edgefinfer.errors import UserError
-from edgefinfer.model_files import check_gguf
-from edgefinfer.tokenizer import Tokenizer, bos_eos_processor
+from edgefinfer.files.untrusted import check_gguf
+from edgefinfer.tokenization.tokenizer import Tokenizer, bos_eos_processor
 
 if TYPE_CHECKING:  # torch and the model only for the weights: a GGUF's tokenizer and config load without them
     import torch
 
-    from edgefinfer.model import Transformer
+    from edgefinfer.model.transformer import Transformer
 
 try:
     import gguf
 except ImportError:  # an optional dependency: edgefinfer[data]
     gguf = None
 
-# Bump when the conversion's output changes, so caches keyed on it (edgefinfer.reference) re-convert.
+# Bump when the conversion's output changes, so caches keyed on it (edgefinfer.model.reference) re-convert.
 CONVERTER_VERSION = 3  # 3: source.json records the GGUF's type
 
 # llama.cpp's architectures we read, and the family each is (llama also covers Mistral).
@@ -343,7 +343,7 @@ def _rope_scaling_from_gguf(g: GGUFFile, arch: str, hp, theta: float, rotary: in
 
 def llama3_rope_freqs(theta: float, rotary: int, scaling: dict[str, Any]) -> np.ndarray:
     """The rope_freqs tensor of llama3 `scaling`: each frequency's divisor (convert_hf_to_gguf.py's)."""
-    from edgefinfer.config import Rope
+    from edgefinfer.model.config import Rope
 
     rope = Rope(float(theta), rotary, tuple(sorted((k, v) for k, v in scaling.items())))
     base = Rope(float(theta), rotary).inv_freq_and_factor(0)[0].double()
@@ -505,7 +505,7 @@ def state_dict_from_gguf(g: GGUFFile, config: ModelConfig) -> dict[str, torch.Te
 def model_from_state(config: ModelConfig, state: dict[str, torch.Tensor], source: Path) -> Transformer:
     import torch
 
-    from edgefinfer.model import Transformer
+    from edgefinfer.model.transformer import Transformer
 
     with torch.device("meta"):
         model = Transformer(config)
@@ -530,12 +530,12 @@ def model_from_state(config: ModelConfig, state: dict[str, torch.Tensor], source
 # ---- tokenizer -------------------------------------------------------------------------------------
 def tokenizer_from_gguf(g: GGUFFile) -> Tokenizer:
     """The file's tokenizer, splitting text exactly as llama.cpp does: byte-level BPE ('gpt2') here,
-    SentencePiece ('llama', Gemma 3) in `edgefinfer.gguf_spm`."""
+    SentencePiece ('llama', Gemma 3) in `edgefinfer.tokenization.gguf_spm`."""
     kind = g.value("tokenizer.ggml.model")
     if kind is None:
         raise UserError(f"{g.path} has no tokenizer (tokenizer.ggml.model); edgefinfer needs one in the file")
-    if kind == "llama":  # SentencePiece (Gemma 3): edgefinfer.gguf_spm
-        from edgefinfer.gguf_spm import spm_tokenizer_from_gguf
+    if kind == "llama":  # SentencePiece (Gemma 3): edgefinfer.tokenization.gguf_spm
+        from edgefinfer.tokenization.gguf_spm import spm_tokenizer_from_gguf
 
         return spm_tokenizer_from_gguf(g)
     if kind != "gpt2":
@@ -626,7 +626,7 @@ def convert_gguf(path: str | Path, out_dir: str | Path, source: dict[str, Any] |
     if tokenizer.chat_template is None:
         tokenizer.chat_template = chat_template
     recorded = {**(source or {}), "gguf_type": file_type(g), "tensor_types": tensor_types(g, model.config)}
-    from edgefinfer.checkpoint import save_model
+    from edgefinfer.model.checkpoint import save_model
 
     with tempfile.TemporaryDirectory() as tok_dir:
         tokenizer.save(tok_dir)

@@ -32,7 +32,7 @@ from tokenizers import AddedToken, decoders, models, normalizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from edgefinfer.errors import UserError
-from edgefinfer.tokenizer import Tokenizer, bos_eos_processor
+from edgefinfer.tokenization.tokenizer import Tokenizer, bos_eos_processor
 
 # llama.cpp token types (tokenizer.ggml.token_type).
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED = 1, 2, 3, 4

@@ -1,7 +1,7 @@
 """Quantization recipes: one typed description of what is quantized, how, and what stays in float.
 
 A pure value type (it imports nothing but the errors), so it lives in the foundation: the artefact
-description (`edgefinfer.artefact`) and the runtimes hold it without importing an exporter.
+description (`edgefinfer.bundle.artefact`) and the runtimes hold it without importing an exporter.
 `edgefinfer.compile.quant.recipe` re-exports it for the quantizers.
 
 A recipe name is a short dash-separated string parsed by `parse_recipe`:

@@ -15,11 +15,11 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from edgefinfer.atomic import atomic_dir
-from edgefinfer.config import ModelConfig
+from edgefinfer.files.atomic import atomic_dir
+from edgefinfer.model.config import ModelConfig
 from edgefinfer.errors import UserError
-from edgefinfer.model import Transformer
-from edgefinfer.model_files import check_hf_config, read_json
+from edgefinfer.model.transformer import Transformer
+from edgefinfer.files.untrusted import check_hf_config, read_json
 
 # Files that travel with the weights when a checkpoint is re-saved.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",

@@ -8,8 +8,8 @@ linear, YaRN). No code here tests a family's name.
 
 Module and parameter names follow Hugging Face's (`model.layers.N.self_attn.q_proj.weight`, ...), so
 a HF state dict loads as is (Phi-3's fused projections and Gemma's norm offset are converted at the
-checkpoint boundary, `edgefinfer.checkpoint`). The forward pass has no data-dependent Python control
-flow, so torch.export can trace it; the KV cache is an argument (see `edgefinfer.cache`).
+checkpoint boundary, `edgefinfer.model.checkpoint`). The forward pass has no data-dependent Python control
+flow, so torch.export can trace it; the KV cache is an argument (see `edgefinfer.model.kv_cache`).
 
 Shapes: B batch, S new tokens, T key slots, H query heads, Hkv key/value heads, D head dim.
 """
@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from edgefinfer.cache import KVCache, attention_mask, effective_window
-from edgefinfer.config import ModelConfig, Rope
+from edgefinfer.model.kv_cache import KVCache, attention_mask, effective_window
+from edgefinfer.model.config import ModelConfig, Rope
 
 # cos, sin [B, 1, S, R] of each distinct RoPE of the model, for this forward's positions.
 RopeTables = dict[Rope, tuple[Tensor, Tensor]]

@@ -20,15 +20,15 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Literal, Mapping
 
-from edgefinfer.config import normalize_eos_ids
-from edgefinfer.errors import UserError
-from edgefinfer.quant_recipe import QuantRecipe
-from edgefinfer.recipe import quant_recipe_of
+from edgefinfer.model.config import normalize_eos_ids
+from edgefinfer.errors import UserChoice, UserError
+from edgefinfer.bundle.quant_recipe import QuantRecipe
+from edgefinfer.bundle.recipe import quant_recipe_of
 
 Carrier = Literal["onnx", "pte", "manifest"]
 
 
-class Layout(StrEnum):
+class Layout(UserChoice):
     """An exported KV cache's layout, the one type for every exporter, the build and the runtime.
     static: one slot per position up to a maximum; window: a buffer that keeps the last positions and
     streams without a length limit. A StrEnum, so that it is written (JSON, metadata) as its name."""
@@ -37,12 +37,8 @@ class Layout(StrEnum):
     WINDOW = "window"
 
     @classmethod
-    def parse(cls, text: "str | Layout") -> "Layout":
-        """`text` as a layout (where a caller's string enters); a one-line UserError for another."""
-        try:
-            return cls(text)
-        except ValueError:
-            raise UserError(f"unknown kv layout {text!r}: use 'static' or 'window'") from None
+    def refusal(cls, text: object) -> str:
+        return f"unknown kv layout {text!r}: use 'static' or 'window'"
 
 
 LAYOUTS: tuple[str, ...] = tuple(Layout)

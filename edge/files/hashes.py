@@ -22,7 +22,7 @@ import os
 import time
 from pathlib import Path
 
-from edgefinfer.user_cache import cache_dir
+from edgefinfer.files.user_cache import cache_dir
 
 STORE = "sha256-stamps.json"
 SETTLED_S = 2.0
@@ -71,7 +71,7 @@ def _load() -> dict:
 
 
 def _save(store: dict) -> None:
-    from edgefinfer.atomic import write_bytes
+    from edgefinfer.files.atomic import write_bytes
     from edgefinfer.errors import UserError
 
     try:

@@ -40,7 +40,7 @@ from edgefinfer.errors import UserError
 if TYPE_CHECKING:
     from llguidance import LLMatcher, LLTokenizer
 
-    from edgefinfer.tokenizer import Tokenizer
+    from edgefinfer.tokenization.tokenizer import Tokenizer
 
 Kind = Literal["json_schema", "json_object", "regex", "grammar"]
 

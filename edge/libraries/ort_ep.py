@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from edgefinfer.errors import UserError
-from edgefinfer.quiet import quiet_ort
+from edgefinfer.libraries.quiet import quiet_ort
 
 QNN_PACKAGE, QNN_VERSION, QNN_EP = "onnxruntime-qnn", "2.7.0", "QNNExecutionProvider"
 

@@ -2,7 +2,7 @@
 detokenization that turns a stream of token ids into text deltas.
 
 Torch-free on purpose: the runtime's ONNX Runtime and llama.cpp paths generate greedily without
-loading torch (`edgefinfer.eager_decode` holds the eager torch token loop).
+loading torch (`edgefinfer.decoding.eager` holds the eager torch token loop).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Literal
 
-from edgefinfer.tokenizer import IncrementalDecoder, Tokenizer
+from edgefinfer.tokenization.tokenizer import IncrementalDecoder, Tokenizer
 
 
 @dataclass
