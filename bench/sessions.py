@@ -19,10 +19,12 @@ the file's session rows): process start to first token and peak RSS of `edgefinf
 --max-tokens 16` next to the peer's own runner on the same artefact, each a fresh process measured from
 outside: the clock starts before the process is spawned and stops at the first byte it writes to stdout
 (each runner streams its reply, the first token first); the peak RSS is the kernel's (`wait4`'s
-ru_maxrss). Peers: llama.cpp's own code through llama-cpp-python (`Llama`, its tokenizer and loop) on the
-gpu-server bundle's GGUF, onnxruntime-genai's Generator on the linux-x86_64 bundle, ExecuTorch's
-TextLLMRunner on the android bundle's .pte. Runs alternate ours / peer, `--runs` of each (median and
-range). The prompt is the chat template rendered around one question (the same text for every runner).
+ru_maxrss, taken by a small launcher process: see LAUNCHER). Peers: llama.cpp's own code through
+llama-cpp-python (`Llama`, its tokenizer and loop) on the gpu-server bundle's GGUF, onnxruntime-genai's
+Generator on the linux-x86_64 bundle, ExecuTorch's TextLLMRunner on the android bundle's .pte. Runs
+alternate ours / peer, `--runs` of each (median and range), after one unmeasured run of each; both with a
+bytecode cache (`startup_env`), as installed packages have. The prompt is the chat template rendered
+around one question (the same text for every runner).
 Goals (issue 31): peak RSS <= artefact size + 250 MiB (ONNX, GGUF) or no more than the peer's (.pte);
 start to first token no worse than the peer's.
 """
@@ -181,6 +183,15 @@ def startup_prompt(bundle: Path) -> str:
     return tok.apply_chat_template([{"role": "user", "content": STARTUP_QUESTION}])
 
 
+def same_reply(ours: str, peer: str, bundle: Path) -> bool:
+    """The two replies are the same text. TextLLMRunner prints the end-of-sequence token it stops on
+    (`<|im_end|>`) where `edgefinfer run` stops without printing it: that token alone does not count."""
+    from edgefinfer.tokenization.tokenizer import Tokenizer
+
+    eos = Tokenizer.from_dir(bundle).eos_token
+    return ours == peer or (bool(eos) and ours == peer.removesuffix(eos).rstrip())
+
+
 def artefact_bytes(bundle: Path, backend: str) -> int:
     """The weights' bytes: every file of the bundle's artefact (an ONNX graph and its external data)."""
     from edgefinfer.bundle.manifest import load_manifest
@@ -235,35 +246,63 @@ def peer_child(backend: str, bundle: str, prompt_file: str, n: int, threads: int
         os.dup2(devnull, 1)
         import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401 (the LLM kernels)
         import executorch.kernels.quantized  # noqa: F401
+        import torch
         from executorch.extension.llm.runner import GenerationConfig, TextLLMRunner
         from executorch.extension.pybindings.portable_lib import _unsafe_reset_threadpool
 
-        _unsafe_reset_threadpool(threads)  # the process-wide pool `edgefinfer run --threads` sizes too
+        _unsafe_reset_threadpool(threads)  # the process-wide pools `edgefinfer run --threads` sizes too:
+        torch.set_num_threads(threads)  # ExecuTorch's, and libtorch's OpenMP pool its kernel libraries use
         runner = TextLLMRunner(str(next(Path(bundle).glob("*.pte"))), str(Path(bundle) / "tokenizer.json"))
         runner.generate(prompt, GenerationConfig(echo=False, max_new_tokens=n, temperature=0.0),
                         token_callback=lambda text: (out.write(text), out.flush()))
     out.write("\n")
 
 
+# A process's ru_maxrss starts at the high-water mark of the memory it replaced at exec: a runner spawned
+# from here (Python spawns with vfork) reports at least this process's own peak, about 300 MiB once torch
+# and a tokenizer are loaded, whatever it used itself (`python -c pass` then reports 311 MiB, not 11).
+# So each runner is started by this launcher, an isolated interpreter of about 10 MiB that forks, execs
+# the runner and reports the runner's ru_maxrss as the last line of stderr. It adds its own start (10-20
+# ms) to both runners' time to the first byte.
+LAUNCHER = """import os, sys
+pid = os.fork()
+if pid == 0:
+    os.execv(sys.argv[1], sys.argv[1:])
+_, status, usage = os.wait4(pid, 0)
+sys.stderr.write(f"\\nPEAK_RSS_KB={usage.ru_maxrss}\\n")
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
 def time_process(cmd: list[str], env: dict[str, str]) -> tuple[float, float, str]:
     """(seconds from spawn to the first stdout byte, peak RSS MiB, stdout) of one run of `cmd`."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", LAUNCHER, *cmd], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env)
     first = proc.stdout.read(1)
     ttft = time.perf_counter() - t0
     rest = proc.stdout.read()
     err = proc.stderr.read()
-    _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode != 0 or not first:
-        raise RuntimeError(f"{cmd[:4]} failed ({proc.returncode}):\n{err.decode()[-2000:]}")
-    return ttft, usage.ru_maxrss / 1024, (first + rest).decode(errors="replace")
+    proc.wait()
+    err, _, peak = err.decode(errors="replace").rpartition("PEAK_RSS_KB=")
+    if proc.returncode != 0 or not first or not peak.strip().isdigit():
+        raise RuntimeError(f"{cmd[:4]} failed ({proc.returncode}):\n{err[-2000:]}")
+    return ttft, int(peak) / 1024, (first + rest).decode(errors="replace")
+
+
+def startup_env(pycache: Path) -> dict[str, str]:
+    """Both runners' environment: unbuffered stdout (the first token is written at once), and bytecode
+    cached under `pycache` even where PYTHONDONTWRITEBYTECODE is set (a checkout's environment): an
+    installed package is byte-compiled at install, a peer's site-packages were, and an editable checkout
+    run without a cache compiles its own modules from source on every start (0.1 s of ours)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    return {**env, "PYTHONUNBUFFERED": "1", "PYTHONPYCACHEPREFIX": str(pycache)}
 
 
 def run_startup(backend: str, bundle: Path, threads: int, runs: int) -> dict:
     prompt = startup_prompt(bundle)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with tempfile.TemporaryDirectory() as tmp:
+        env = startup_env(Path(tmp) / "pycache")
         prompt_file = Path(tmp) / "prompt.txt"
         prompt_file.write_text(prompt)
         ours = [sys.executable, "-m", "edgefinfer", "run", str(bundle), "-p", prompt, "--max-tokens",
@@ -272,7 +311,8 @@ def run_startup(backend: str, bundle: Path, threads: int, runs: int) -> dict:
                 str(STARTUP_TOKENS), str(threads)]
         got: dict[str, list] = {"ours": [], "peer": []}
         texts = {}
-        time_process(ours, env), time_process(peer, env)  # one unmeasured run each: the page cache holds the files
+        # One unmeasured run each: the page cache holds the files, the bytecode cache the modules.
+        time_process(ours, env), time_process(peer, env)
         for _ in range(runs):
             for name, cmd in (("ours", ours), ("peer", peer)):
                 ttft, rss, text = time_process(cmd, env)
@@ -288,12 +328,14 @@ def run_startup(backend: str, bundle: Path, threads: int, runs: int) -> dict:
 
     row = {"backend": backend, "bundle": str(bundle), "artefact_mib": round(art_mib, 1), "runs": runs,
            "max_tokens": STARTUP_TOKENS, "threads": threads, "peer": STARTUP[backend][1],
+           "bytecode": "cached for both (PYTHONPYCACHEPREFIX, filled by the unmeasured run)",
            **{f"ours_{k}": v for k, v in summary(got["ours"]).items()},
            **{f"peer_{k}": v for k, v in summary(got["peer"]).items()},
            # Each round runs ours then the peer: the median of their per-round ratios holds up better than a
            # ratio of medians while the host's load drifts.
            "ttft_ratio_paired": round(statistics.median(o[0] / q[0] for o, q in zip(got["ours"], got["peer"])), 3),
-           "same_text": texts["ours"] == texts["peer"], "ours_text": texts["ours"], "peer_text": texts["peer"]}
+           "same_text": same_reply(texts["ours"], texts["peer"], bundle), "ours_text": texts["ours"],
+           "peer_text": texts["peer"]}
     row["rss_goal_mib"] = (round(art_mib + RSS_HEADROOM_MIB, 1) if backend != "executorch"
                            else row["peer_peak_rss_mib"])
     row["rss_goal_met"] = row["ours_peak_rss_mib"] <= row["rss_goal_mib"]

@@ -136,14 +136,32 @@ def test_missing_program_is_a_user_error(tmp_path: Path):
         ExecuTorchBackend(tmp_path / "junk.pte")
 
 
-def test_a_pte_bundle_imports_its_kernels_before_the_tokenizer_thread_starts():
-    # The ExecuTorch imports (torch, exir's edge.yaml) are pure Python: started after the tokenizer.json
-    # parse, which holds the GIL, they would wait for it. open_backend calls this before that thread.
-    from edgefinfer.runtime.backends.executorch import KERNEL_MODULES
+def test_a_pte_bundle_registers_its_kernels_before_the_tokenizer_thread_starts():
+    # torch's import is pure Python: started after the tokenizer.json parse, which holds the GIL, it would wait
+    # for it. open_backend calls this before that thread. It registers the kernels with ExecuTorch's C++
+    # runtime without ExecuTorch's Python wrappers, which import its exporter (exir, torch._inductor).
     from edgefinfer.runtime.engine import _import_runtime
 
     code = ("import sys; from edgefinfer.runtime.engine import _import_runtime; _import_runtime('executorch'); "
-            f"print(all(m in sys.modules for m in {KERNEL_MODULES!r}))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    assert out[-1] == "True", out
+            "from executorch.extension.pybindings import _C; ops = set(_C._get_operator_names()); "
+            "print({'llama::custom_sdpa.out', 'llama::update_cache.out', 'quantized_decomposed::embedding_4bit.out'}"
+            " <= ops, sorted({m for m in sys.modules if m.startswith(('executorch.exir', 'torch._inductor', "
+            "'torch._dynamo'))})[:3])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out.splitlines()[-1] == "True []", out
     assert _import_runtime("torch") is None  # a backend without a separate runtime package: nothing to do
+
+
+def test_kernel_libraries_are_found_in_the_package_or_left_to_their_modules(tmp_path: Path):
+    # A layout without the shared object (another build of ExecuTorch): None, and register_kernels imports
+    # the Python module instead, as before.
+    from edgefinfer.runtime.backends.executorch import kernel_library
+
+    first, second = tmp_path / "a", tmp_path / "b"
+    (second / "kernels" / "quantized").mkdir(parents=True)
+    assert kernel_library("kernels/quantized", "quantized_ops_aot_lib", [first, second]) is None
+    (second / "kernels" / "quantized" / "libquantized_ops_aot_lib.pyi").write_text("")
+    assert kernel_library("kernels/quantized", "quantized_ops_aot_lib", [first, second]) is None
+    lib = second / "kernels" / "quantized" / "libquantized_ops_aot_lib.so"
+    lib.write_bytes(b"")
+    assert kernel_library("kernels/quantized", "quantized_ops_aot_lib", [first, second]) == lib

@@ -1,7 +1,7 @@
 """A phone-side install: a fresh virtualenv with only the `runtime` extra runs a bundle, and the
 runtime never imports an exporter (edgefinfer.compile, onnx, torchao, transformers); `edgefinfer run`
-on an ONNX bundle or a GGUF never imports torch (nor, on a GGUF, ONNX Runtime) and prints the tokens the
-Engine gives in-process."""
+on an ONNX bundle or a GGUF never imports torch (nor, on a GGUF, ONNX Runtime), on a .pte none of
+ExecuTorch's exporter (exir) nor torch's compiler, and prints the tokens the Engine gives in-process."""
 
 import hashlib
 import os
@@ -93,8 +93,13 @@ def test_runtime_extra_alone_runs_a_bundle(onnx_bundle, tmp_path):
 RUN_REPORTING_MODULES = """
 import atexit, runpy, sys
 HEAVY = ("torch", "onnxruntime", "gguf", "transformers", "executorch")
+# What only an exporter needs (ExecuTorch's Python wrappers import them: seconds of a .pte's start).
+EXPORTERS = ("executorch.exir", "torch._inductor", "torch._dynamo")
 atexit.register(lambda: sys.stderr.write("\\nLOADED " + ",".join(sorted({m.split(".")[0] for m in sys.modules
-                                                                         if m.split(".")[0] in HEAVY})) + "\\n"))
+                                                                         if m.split(".")[0] in HEAVY}))
+                                         + " EXPORTERS " + ",".join(sorted({e for e in EXPORTERS for m in sys.modules
+                                                                            if m == e or m.startswith(e + ".")}))
+                                         + "\\n"))
 sys.argv = ["edgefinfer", "run", *sys.argv[1:]]
 runpy.run_module("edgefinfer", run_name="__main__")
 """
@@ -108,9 +113,28 @@ def gguf_file(tmp_path_factory):
     return tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
 
 
-# A bare GGUF has no tokenizer.json beside it: gguf-py reads its tokenizer from the file.
-@pytest.mark.parametrize("artefact, allowed", [("onnx_bundle", {"onnxruntime"}), ("gguf_file", {"gguf"})])
-def test_run_loads_no_torch(request, artefact, allowed):
+@pytest.fixture(scope="module")
+def pte_file(tmp_path_factory):
+    """A .pte using both kernel libraries (4-bit embedding, the LLM custom ops), its tokenizer beside it."""
+    pytest.importorskip("executorch")
+    from edgefinfer.compile.executorch_export import export_pte
+
+    root = tmp_path_factory.mktemp("pte")
+    tok = tiny_tokenizer(320)
+    tok.eos_token = None
+    model = tiny_model(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128, max_position_embeddings=256,
+                       eos_token_id=None)
+    export_pte(model, root / "model.pte", recipe="8da4w", embedding_4bit=True, max_seq_len=128, progress=False,
+               cache=False)
+    tok.save(root)
+    return root / "model.pte"
+
+
+# A bare GGUF has no tokenizer.json beside it: gguf-py reads its tokenizer from the file. A .pte needs torch
+# (ExecuTorch's runtime extension links libtorch) but nothing of an exporter.
+@pytest.mark.parametrize("artefact, allowed", [("onnx_bundle", {"onnxruntime"}), ("gguf_file", {"gguf"}),
+                                               ("pte_file", {"torch", "executorch"})])
+def test_run_loads_only_the_runtime_it_needs(request, artefact, allowed):
     from edgefinfer.runtime.engine import Engine
 
     path = request.getfixturevalue(artefact)
@@ -118,8 +142,57 @@ def test_run_loads_no_torch(request, artefact, allowed):
     proc = subprocess.run([sys.executable, "-c", RUN_REPORTING_MODULES, str(path), "-p", prompt, "--max-tokens", "8",
                            "--threads", "1"], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
-    loaded = set(proc.stderr.rsplit("LOADED ", 1)[1].split()[0].split(",")) - {""}
+    report = proc.stderr.rsplit("LOADED ", 1)[1].split("\n")[0]
+    loaded_text, _, exporters = report.partition(" EXPORTERS ")
+    loaded = set(loaded_text.split(",")) - {""}
     assert loaded == allowed, proc.stderr  # no torch: greedy decoding on ONNX Runtime and llama.cpp needs none
+    assert exporters == "", proc.stderr
     expect = Engine.load(path, threads=1).generate(prompt, max_tokens=8)
     assert expect.token_ids
     assert proc.stdout == expect.text + "\n"  # the same tokens as the Engine in-process
+
+
+def test_a_bundle_parses_its_tokenizer_while_the_weights_load(onnx_bundle, monkeypatch):
+    # tokenizers' parse holds the GIL throughout: started before the backend reached its native load, it
+    # kept the main thread's Python waiting (no overlap); it starts when the backend calls native_load.
+    import time
+
+    from edgefinfer.runtime import engine
+    from edgefinfer.tokenization.tokenizer import Tokenizer
+
+    events = []
+    real_open, real_from_dir = engine._open, Tokenizer.from_dir.__func__
+
+    def open_slowly(*args):
+        native_load = args[-1]
+        events.append("python before the load")
+        time.sleep(0.3)  # a parse started now would be recorded before the load
+        native_load()
+        time.sleep(1.0)  # the native load (GIL released): the parse runs here
+        events.append("native load done")
+        return real_open(*args[:-1])
+
+    def from_dir(cls, path):
+        events.append("parse")
+        return real_from_dir(cls, path)
+
+    monkeypatch.setattr(engine, "_open", open_slowly)
+    monkeypatch.setattr(Tokenizer, "from_dir", classmethod(from_dir))
+    backend, tokenizer, _ = engine.open_backend(onnx_bundle, threads=1)
+    assert events == ["python before the load", "parse", "native load done"]
+    assert tokenizer.vocab_size == backend.vocab_size
+
+
+@pytest.mark.parametrize("artefact", ["onnx_bundle", "gguf_file"])
+def test_backends_call_native_load_once_before_loading(request, artefact):
+    path = request.getfixturevalue(artefact)
+    calls = []
+    if artefact == "gguf_file":
+        from edgefinfer.runtime.backends.llamacpp import LlamaCppBackend
+
+        LlamaCppBackend(path, n_ctx=64, threads=1, native_load=lambda: calls.append(1))
+    else:
+        from edgefinfer.runtime.backends.ort import OrtBackend
+
+        OrtBackend(path, threads=1, native_load=lambda: calls.append(1))
+    assert calls == [1]

@@ -21,7 +21,6 @@ import re
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
-from importlib import metadata
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
@@ -70,6 +69,9 @@ class Manifest:
 
 
 def tool_versions() -> dict[str, str | None]:
+    # Only a build writes these: importlib.metadata (email, zipfile, csv: 15-60 ms) stays out of a run's start.
+    from importlib import metadata
+
     out: dict[str, str | None] = {"python": platform.python_version()}
     for name in ("edgefinfer", "torch", "executorch", "torchao", "onnxruntime", "onnx", "onnxruntime-qnn",
                  "llama_cpp_python", "gguf", "tokenizers"):

@@ -9,11 +9,19 @@ entry at a position >= start_pos (causality in the static cache; the ring cache 
 empty before writing), so starting again at 0 is a reset and starting at the first rejected
 speculative position is a rollback. Reloading the method is never needed.
 
-Loading: `Runtime.load_program(path)` maps the file (ExecuTorch's MmapDataLoader; constant weights
-are read from the mapping, not copied, except what a delegate repacks at init, e.g. XNNPACK's
-weight packing). Kernel libraries are registered before loading: `executorch.kernels.quantized`
+Loading: the C++ runtime's `_load_program(path)` maps the file (ExecuTorch's MmapDataLoader; constant
+weights are read from the mapping, not copied, except what a delegate repacks at init, e.g. XNNPACK's
+weight packing). Kernel libraries are registered before loading: the quantized kernels
 (`quantized_decomposed::embedding_4bit`, ...) and the LLM custom ops (`llama::update_cache`,
 `llama::custom_sdpa`); without them loading fails with "Missing operator".
+
+Start-up: the runtime is ExecuTorch's C++ extension (`executorch.extension.pybindings._C`, which needs
+libtorch, hence `import torch`) and the kernel libraries' shared objects, nothing else. ExecuTorch's own
+Python wrappers import its exporter: `portable_lib` (and `executorch.runtime`, built on it) imports
+`executorch.exir` for a warning class, and the kernel modules register the ops for torch.export as well
+(`torch._inductor`, exir's edge.yaml): 5-15 s and about 100 MiB of a start, none of it used to run a
+program. So this module calls `_C` directly and loads the libraries as their modules would
+(`torch.ops.load_library`: the libraries' static initializers register the kernels with ExecuTorch).
 
 This module must not import `edgefinfer.compile` (a phone has no exporter).
 """
@@ -21,6 +29,7 @@ This module must not import `edgefinfer.compile` (a phone has no exporter).
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from pathlib import Path
 from typing import Sequence
 
@@ -31,24 +40,68 @@ from edgefinfer.bundle.artefact import read_spec
 from edgefinfer.errors import UserError
 from edgefinfer.runtime.backends.base import UNBOUNDED
 
-KERNEL_MODULES = ("executorch.kernels.quantized", "executorch.extension.llm.custom_ops.custom_ops")
+# The kernel libraries an edgefinfer .pte may use: the Python module ExecuTorch registers each with, and
+# the shared object that module loads (its folder in the executorch package, its name without `lib` and
+# suffix). The module is the fallback where the shared object is not found (another build's layout).
+KERNEL_LIBRARIES = (("executorch.kernels.quantized", "kernels/quantized", "quantized_ops_aot_lib"),
+                    ("executorch.extension.llm.custom_ops.custom_ops", "extension/llm/custom_ops",
+                     "custom_ops_aot_lib"))
+KERNEL_MODULES = tuple(module for module, _, _ in KERNEL_LIBRARIES)
+_registered = False
+
+
+def runtime_module():
+    """ExecuTorch's C++ runtime extension (`_C`: load_program, the thread pool, the backend registry)."""
+    try:  # torch (imported above) has loaded libtorch, which _C links against, as portable_lib does first
+        from executorch.extension.pybindings import _C
+    except ImportError as e:
+        raise UserError(f"ExecuTorch is not installed or incomplete ({e}); pip install executorch==1.5.1") from None
+    return _C
+
+
+def package_dirs() -> list[Path]:
+    """The executorch package's folders (a namespace package may have several), without importing it."""
+    spec = importlib.util.find_spec("executorch")
+    return [Path(p) for p in (spec.submodule_search_locations or [])] if spec is not None else []
+
+
+def kernel_library(folder: str, stem: str, roots: Sequence[Path]) -> Path | None:
+    """The shared object `lib{stem}.so` (or .dylib) in `folder` of the first package root holding it."""
+    for root in roots:
+        for path in sorted((root / folder).glob(f"lib{stem}.*")):
+            if path.suffix in (".so", ".dylib"):
+                return path
+    return None
 
 
 def register_kernels() -> None:
-    """Import the kernel libraries an edgefinfer .pte may use (idempotent)."""
-    for name in KERNEL_MODULES:
+    """Register the kernel libraries an edgefinfer .pte may use with ExecuTorch (idempotent)."""
+    global _registered
+    if _registered:
+        return
+    runtime_module()  # the libraries link against _C: it is loaded first
+    roots = package_dirs()
+    for module, folder, stem in KERNEL_LIBRARIES:
+        library = kernel_library(folder, stem, roots)
         try:
-            importlib.import_module(name)
-        except ImportError as e:
-            raise UserError(f"ExecuTorch is not installed or incomplete ({name}: {e}); "
+            if library is not None:
+                torch.ops.load_library(str(library))
+            else:
+                importlib.import_module(module)
+        except (ImportError, OSError) as e:
+            raise UserError(f"ExecuTorch is not installed or incomplete ({module}: {e}); "
                             "pip install executorch==1.5.1") from None
+    _registered = True
 
 
 def set_threads(threads: int) -> None:
-    """Size ExecuTorch's (process-wide) thread pool, used by XNNPACK and the custom ops."""
-    from executorch.extension.pybindings.portable_lib import _unsafe_reset_threadpool
-
-    _unsafe_reset_threadpool(int(threads))
+    """Size ExecuTorch's (process-wide) thread pool, used by XNNPACK and the custom ops, and libtorch's
+    OpenMP pool the same: the kernel libraries link libtorch, and kernels running there leave that pool's
+    workers (one per core by default) spinning after every parallel region. At --threads 1 on a 2-core
+    host the spinning took the first 36-token prefill of the android bundle from 0.08 to 0.4-0.95 s of
+    CPU (the logits bit-identical either way)."""
+    runtime_module()._unsafe_reset_threadpool(int(threads))
+    torch.set_num_threads(int(threads))
 
 
 class ExecuTorchBackend:
@@ -59,18 +112,18 @@ class ExecuTorchBackend:
         if not path.is_file():
             raise UserError(f"ExecuTorch program {path} does not exist (export one with `edgefinfer build`)")
         register_kernels()
-        from executorch.runtime import Runtime, Verification
-
+        runtime = runtime_module()
         if threads is not None:
             set_threads(threads)
-        runtime = Runtime.get()
         try:
             # Minimal verification (the default) segfaults on a damaged flatbuffer; this refuses it.
-            self._program = runtime.load_program(path, verification=Verification.InternalConsistency)
+            self._program = runtime._load_program(str(path),
+                                                  program_verification=runtime.Verification.InternalConsistency)
         except (RuntimeError, ValueError) as e:
             raise UserError(f"{path} is not a loadable ExecuTorch program ({e}); re-export it") from None
         self.path = path
-        self.methods = {n: self._constant(n) for n in self._program.method_names if n != "forward"}
+        names = [self._program.get_method_name(i) for i in range(self._program.num_methods())]
+        self.methods = {n: self._constant(n) for n in names if n != "forward"}
         if "get_vocab_size" not in self.methods or "get_max_seq_len" not in self.methods:
             raise UserError(f"{path} lacks the LLM metadata methods (get_vocab_size, get_max_seq_len): "
                             "it was not exported by edgefinfer or ExecuTorch's LLM exporter")
@@ -79,7 +132,7 @@ class ExecuTorchBackend:
         except RuntimeError as e:
             # Typically a delegate this runtime lacks (a Core ML program on Linux); the reason is in
             # ExecuTorch's log line ("Backend CoreMLBackend is not registered").
-            have = ", ".join(runtime.backend_registry.registered_backend_names)
+            have = ", ".join(runtime._get_registered_backend_names())
             raise UserError(f"cannot load {path.name}: its forward method needs a delegate or kernel this "
                             f"ExecuTorch runtime lacks (it has {have}); Core ML programs run on Apple devices "
                             f"only ({e})") from None
@@ -97,7 +150,7 @@ class ExecuTorchBackend:
         self.bos_id = spec.bos_id
 
     def _constant(self, name: str):
-        out = self._program.load_method(name).execute([])
+        out = self._program.load_method(name)([])
         value = out[0] if len(out) == 1 else list(out)
         return value.tolist() if isinstance(value, torch.Tensor) else value
 
@@ -105,7 +158,7 @@ class ExecuTorchBackend:
         """One call: at most max_chunk tokens -> logits [S or 1, V]."""
         ids = torch.tensor([list(tokens)], dtype=torch.long)
         pos = torch.tensor([start_pos], dtype=torch.long)
-        return self._forward.execute([ids, pos])[0][0]
+        return self._forward([ids, pos])[0][0]
 
     def _chunks(self, tokens: Sequence[int], start_pos: int) -> list[tuple[Sequence[int], int]]:
         n = len(tokens)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -35,8 +35,9 @@ class LlamaCppBackend:
     N_BATCH = 512  # tokens per llama_decode call
 
     def __init__(self, gguf_path: str | Path, n_ctx: int = 2048, threads: int | None = None,
-                 window: int | None = None, num_sinks: int = 0):
-        self.model = LlamaModel(gguf_path)
+                 window: int | None = None, num_sinks: int = 0, native_load: Callable[[], None] | None = None):
+        """native_load: called right before llama.cpp loads the weights (GIL released; see engine.open_backend)."""
+        self.model = LlamaModel(gguf_path, native_load=native_load)
         if window is not None:
             if window < 1 or num_sinks < 0:
                 raise UserError(f"bad window {window} / sinks {num_sinks}: the window holds at least 1 token")

@@ -131,12 +131,19 @@ class OrtBackend:
     name = "onnxruntime"
 
     def __init__(self, onnx_dir_or_path: str | Path, providers: Sequence[Any] | None = None,
-                 threads: int | None = None, session: Any | None = None, max_seq_len: int | None = None):
-        """max_seq_len: KV slots to allocate (default and upper bound: what the model was exported for)."""
+                 threads: int | None = None, session: Any | None = None, max_seq_len: int | None = None,
+                 native_load: Callable[[], None] | None = None):
+        """max_seq_len: KV slots to allocate (default and upper bound: what the model was exported for).
+        native_load: called right before ONNX Runtime builds the session (GIL released; engine.open_backend)."""
         ort = _import_ort()
         self.path = resolve_model_path(onnx_dir_or_path)
-        self.session = session or ort.InferenceSession(str(self.path), session_options(threads),
-                                                       providers=list(providers or ["CPUExecutionProvider"]))
+        if session is None:
+            options = session_options(threads)
+            if native_load is not None:
+                native_load()
+            providers = list(providers or ["CPUExecutionProvider"])
+            session = ort.InferenceSession(str(self.path), options, providers=providers)
+        self.session = session
         self.artefact = spec = read_spec("onnx", self.session.get_modelmeta().custom_metadata_map)
         if spec.format != "onnx":
             raise UserError(f"{self.path} is a {spec.format!r} graph; run it with OrtStaticBackend")
