@@ -536,14 +536,45 @@ def _partitioners(opts: PteOptions) -> list:
     # (the .pte holds the same int4/int8 kernels, bit-identical logits). ExecuTorch's llama export puts
     # XnnpackDynamicallyQuantizedPartitioner first, which makes every linear a delegate of its own and
     # costs two more whole-graph decompositions: on SmolLM2 that was 2.4x the lowering time.
-    return [XnnpackPartitioner()]
+    return [_single_decomposition_partitioner()() if LOWERING_SHORTCUTS else XnnpackPartitioner()]
+
+
+def _single_decomposition_partitioner():
+    """XnnpackPartitioner that, when every node of the ops it keeps from decomposition passes its checks
+    (every linear and torchao quantize op of our decoders does), says it needs no per-node check.
+
+    With a check, `to_edge_transform_and_lower` takes its EDGE_DO_NOT_DECOMP path: decompose, rename the
+    checked nodes into a no-decomposition namespace, decompose the whole graph again, rename them back:
+    two whole-graph retraces with symbolic shapes on top of the functionalisation. Without one it
+    decomposes once with the same ops kept (its own "more reliable path"). When a node fails its check
+    the check is returned as ExecuTorch asks, and the lowering takes the stock path."""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+
+    class SingleDecompositionPartitioner(XnnpackPartitioner):
+        def ops_to_not_decompose(self, ep):
+            ops, check = super().ops_to_not_decompose(ep)
+            kept = set(ops)
+            if check is not None and all(check(n) for n in ep.graph.nodes
+                                         if n.op == "call_function" and n.target in kept):
+                return ops, None
+            return ops, check
+
+    return SingleDecompositionPartitioner
+
+
+# Switch for the lowering's shortcuts (`_single_decomposition_partitioner`, `_decoder_xnnpack_passes`):
+# each leaves the program byte for byte as ExecuTorch's stock
+# pipeline writes it, which tests/test_executorch_export.py checks by turning this off.
+LOWERING_SHORTCUTS = True
 
 
 def _lower(exported, methods: dict[str, Any], opts: PteOptions):
     from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
 
-    passes = _decoder_xnnpack_passes(opts.custom_ops) if opts.delegate == "xnnpack" else contextlib.nullcontext()
-    with passes:
+    shortcuts = contextlib.ExitStack()
+    if LOWERING_SHORTCUTS and opts.delegate == "xnnpack":
+        shortcuts.enter_context(_decoder_xnnpack_passes(opts.custom_ops))
+    with shortcuts:
         return to_edge_transform_and_lower(
             exported, partitioner=_partitioners(opts),
             # The custom ops and torchao's quantize ops are not core ATen; the checks would refuse them.
