@@ -595,7 +595,15 @@ _PASSES_FOR_ABSENT_OPS = {
     "Conv1dUnsqueezePass": ("convolution",),
     "PReLUReshapePass": ("prelu",),
     "InsertPadQDQPass": ("constant_pad_nd",),
+    # These change a partition only where it holds their ops, yet retrace it whatever it holds.
+    "FuseActivationPass": ("relu", "hardtanh"),  # fuses these into the op before them
+    "RemoveGetItemPass": ("max_pool2d_with_indices", "aten.max.dim"),  # their getitem users
+    "DecomposeConcatenate": ("cat",),  # splits a cat of more than 4 inputs
+    "RemoveRedundantCopyPass": ("_to_copy",),  # removes a pair of dtype / memory-format copies
+    "DimOrderOpsRevertPass": ("dim_order",),  # dim_order ops back to memory-format ops
 }
+# XNNPACK passes that only copy node.meta["custom"] (a user's annotation) onto quantize/dequantize nodes.
+_PASSES_FOR_CUSTOM_META = ("PropagateCustomMetaPass",)
 
 
 @contextlib.contextmanager
@@ -604,8 +612,11 @@ def _decoder_xnnpack_passes(custom_sdpa: bool) -> Iterator[None]:
 
     Its pass manager runs 17 passes on every partition, and six of them (upsampling, batch norm, conv1d,
     PReLU, padding; SDPA under custom_sdpa) can only rewrite ops that a decoder's graph lacks: 25% of the
-    lowering's CPU time on SmolLM2, for no change. A pass is skipped only when none of its ops is in the
-    partition, so the program is byte-identical (tests/test_executorch_export.py lowers it both ways)."""
+    lowering's CPU time on SmolLM2, for no change. Six more (activation fusion, getitem removal, cat
+    decomposition, redundant copies, dim-order reversion, custom-meta propagation) rewrite only the ops
+    or annotations they look for, but retrace the partition in any case. A pass is skipped only when
+    none of its ops is in the partition, so the program is byte-identical (tests/test_executorch_export.py
+    lowers it both ways)."""
     from executorch.backends.xnnpack import xnnpack_preprocess
 
     full = xnnpack_preprocess.XNNPACKPassManager
@@ -614,9 +625,16 @@ def _decoder_xnnpack_passes(custom_sdpa: bool) -> Iterator[None]:
     class DecoderPassManager(full):
         def __init__(self, exported_program, passes=None):
             super().__init__(exported_program, passes)
-            ops = {str(n.target) for n in exported_program.graph.nodes if n.op == "call_function"}
-            self.passes = [p for p in self.passes if p.__name__ not in skip_when_absent
-                           or any(word in op for op in ops for word in skip_when_absent[p.__name__])]
+            nodes = exported_program.graph.nodes
+            ops = {str(n.target) for n in nodes if n.op == "call_function"}
+            custom = any("custom" in n.meta for n in nodes)
+
+            def needed(name: str) -> bool:
+                if name in _PASSES_FOR_CUSTOM_META:
+                    return custom
+                return name not in skip_when_absent or any(word in op for op in ops for word in skip_when_absent[name])
+
+            self.passes = [p for p in self.passes if needed(p.__name__)]
 
     xnnpack_preprocess.XNNPACKPassManager = DecoderPassManager
     try:
