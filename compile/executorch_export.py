@@ -745,17 +745,28 @@ def _to_executorch(edge):
     from executorch.exir.passes.init_mutable_pass import InitializedMutableBufferPass
     from executorch.exir.passes.sym_shape_eval_pass import ConstraintBasedSymShapeEvalPass
 
+    # Each of these passes retraces the whole program, running every delegate's original graph again
+    # (SmolLM2: 210), so each runs only where it can change something (LOWERING_SHORTCUTS; the program
+    # is byte-identical either way).
+    graph = edge.exported_program().graph
+    targets = {str(n.target) for n in graph.nodes if n.op == "call_function"}
     # Linears left outside a delegate run as ExecuTorch's optimized linear, not transpose + mm.
-    edge = edge.transform([ConvertToLinearPass()])
+    if not LOWERING_SHORTCUTS or any(word in t for t in targets for word in _LINEAR_OPS):
+        edge = edge.transform([ConvertToLinearPass()])
+    # Mutable buffers start uninitialised unless marked; the ring's slot positions must start at -1
+    # (empty). The K/V buffers need no initial value: empty slots are masked.
+    init = not LOWERING_SHORTCUTS or any(n.op == "placeholder" and "slot_pos" in n.name for n in graph.nodes)
     return edge.to_executorch(ExecutorchBackendConfig(
-        # Mutable buffers start uninitialised unless marked; the ring's slot positions must start at -1
-        # (empty). The K/V buffers need no initial value: empty slots are masked.
-        passes=[InitializedMutableBufferPass(["slot_pos"])],
+        passes=[InitializedMutableBufferPass(["slot_pos"])] if init else [],
         extract_delegate_segments=True,
         do_quant_fusion_and_const_prop=True,  # dequantize + embedding -> quantized_decomposed::embedding_4bit
         memory_planning_pass=MemoryPlanningPass(alloc_graph_input=False),  # inputs come from the caller
         sym_shape_eval_pass=ConstraintBasedSymShapeEvalPass(),  # plan memory for the upper bound of S
     ))
+
+
+# What ConvertToLinearPass rewrites: [add|b]mm from linear modules, linear with view_copy around it.
+_LINEAR_OPS = ("linear", "aten.mm.", "addmm", "bmm")
 
 
 # ---- progress, files, cache ---------------------------------------------------------------------------
