@@ -756,13 +756,44 @@ def _to_executorch(edge):
     # Mutable buffers start uninitialised unless marked; the ring's slot positions must start at -1
     # (empty). The K/V buffers need no initial value: empty slots are masked.
     init = not LOWERING_SHORTCUTS or any(n.op == "placeholder" and "slot_pos" in n.name for n in graph.nodes)
-    return edge.to_executorch(ExecutorchBackendConfig(
-        passes=[InitializedMutableBufferPass(["slot_pos"])] if init else [],
-        extract_delegate_segments=True,
-        do_quant_fusion_and_const_prop=True,  # dequantize + embedding -> quantized_decomposed::embedding_4bit
-        memory_planning_pass=MemoryPlanningPass(alloc_graph_input=False),  # inputs come from the caller
-        sym_shape_eval_pass=ConstraintBasedSymShapeEvalPass(),  # plan memory for the upper bound of S
-    ))
+    with _delegates_unlifted_once(edge) if LOWERING_SHORTCUTS else contextlib.nullcontext():
+        return edge.to_executorch(ExecutorchBackendConfig(
+            passes=[InitializedMutableBufferPass(["slot_pos"])] if init else [],
+            extract_delegate_segments=True,
+            do_quant_fusion_and_const_prop=True,  # dequantize + embedding -> quantized_decomposed::embedding_4bit
+            memory_planning_pass=MemoryPlanningPass(alloc_graph_input=False),  # inputs come from the caller
+            sym_shape_eval_pass=ConstraintBasedSymShapeEvalPass(),  # plan memory for the upper bound of S
+        ))
+
+
+@contextlib.contextmanager
+def _delegates_unlifted_once(edge) -> Iterator[None]:
+    """While `to_executorch` runs, each delegate's original program is turned into a module once.
+
+    Every pass that retraces the program meets each delegate call and runs the delegate's original graph
+    on fake tensors for its output shapes, through `ExportedProgram.module()`, which unlifts the program's
+    parameters into a new GraphModule every time: a quarter of to_executorch on SmolLM2 (210 delegates
+    times each retracing pass). The module is a pure function of the program, which nothing changes
+    here, so the first one is handed out again; other programs are not touched."""
+    from executorch.exir.lowered_backend_module import get_lowered_submodules
+    from torch.export import ExportedProgram
+
+    originals = {id(lowered.original_module): lowered.original_module
+                 for _, lowered, _ in get_lowered_submodules(edge.exported_program().graph_module)}
+    module, made = ExportedProgram.module, {}
+
+    def module_once(self, *args, **kwargs):
+        if args or kwargs or originals.get(id(self)) is not self:
+            return module(self, *args, **kwargs)
+        if id(self) not in made:
+            made[id(self)] = module(self)
+        return made[id(self)]
+
+    ExportedProgram.module = module_once
+    try:
+        yield
+    finally:
+        ExportedProgram.module = module
 
 
 # What ConvertToLinearPass rewrites: [add|b]mm from linear modules, linear with view_copy around it.
