@@ -65,14 +65,29 @@ class Phases:
         setattr(owner, attr, timed)
 
 
+def owner(attr: str, *modules: str):
+    """The first of `modules` (import paths, tried in order: the package's layout moves) holding `attr`."""
+    import importlib
+
+    for name in modules:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(module, attr):
+            return module
+    raise ImportError(f"none of {', '.join(modules)} has {attr}")
+
+
 def instrument(phases: Phases) -> None:
     import edgefinfer.app.build as build
-    import edgefinfer.bundle as bundle
     import edgefinfer.compile.artefact_cache as artefact_cache
     import edgefinfer.compile.executorch_export as ete
     import edgefinfer.runtime.decode as decode
     import edgefinfer.runtime.engine as engine
-    from edgefinfer.tokenizer import Tokenizer
+
+    bundle = owner("BundleWriter", "edgefinfer.bundle.manifest", "edgefinfer.bundle")
+    Tokenizer = owner("Tokenizer", "edgefinfer.tokenization.tokenizer", "edgefinfer.tokenizer").Tokenizer
 
     for attr, name in (("resolve_model", "load: resolve model (GGUF -> HF folder)"),
                        ("_load", "load: read the checkpoint"),
@@ -139,7 +154,8 @@ def main() -> None:
     with phases.phase("imports (torch, edgefinfer)"):
         import torch  # noqa: F401
         from edgefinfer.app.build import BuildOptions, build
-        from edgefinfer.quiet import quiet
+
+        quiet = owner("quiet", "edgefinfer.libraries.quiet", "edgefinfer.quiet").quiet
 
         instrument(phases)
     with quiet(True), phases.phase("build"):
