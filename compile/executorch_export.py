@@ -34,6 +34,7 @@ import contextlib
 import copy
 import dataclasses
 import math
+import operator
 import sys
 import threading
 import time
@@ -572,14 +573,47 @@ def _partitioners(opts: PteOptions) -> list:
     # (the .pte holds the same int4/int8 kernels, bit-identical logits). ExecuTorch's llama export puts
     # XnnpackDynamicallyQuantizedPartitioner first, which makes every linear a delegate of its own and
     # costs two more whole-graph decompositions: on SmolLM2 that was 2.4x the lowering time.
-    return [XnnpackPartitioner()]
+    return [_single_decomposition_partitioner()() if LOWERING_SHORTCUTS else XnnpackPartitioner()]
+
+
+def _single_decomposition_partitioner():
+    """XnnpackPartitioner that, when every node of the ops it keeps from decomposition passes its checks
+    (every linear and torchao quantize op of our decoders does), says it needs no per-node check.
+
+    With a check, `to_edge_transform_and_lower` takes its EDGE_DO_NOT_DECOMP path: decompose, rename the
+    checked nodes into a no-decomposition namespace, decompose the whole graph again, rename them back:
+    two whole-graph retraces with symbolic shapes on top of the functionalisation. Without one it
+    decomposes once with the same ops kept (its own "more reliable path"). When a node fails its check
+    the check is returned as ExecuTorch asks, and the lowering takes the stock path."""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+
+    class SingleDecompositionPartitioner(XnnpackPartitioner):
+        def ops_to_not_decompose(self, ep):
+            ops, check = super().ops_to_not_decompose(ep)
+            kept = set(ops)
+            if check is not None and all(check(n) for n in ep.graph.nodes
+                                         if n.op == "call_function" and n.target in kept):
+                return ops, None
+            return ops, check
+
+    return SingleDecompositionPartitioner
+
+
+# Switch for the lowering's shortcuts (`_single_decomposition_partitioner`, `_decoder_xnnpack_passes`,
+# `_partitions_legalized_in_place`): each leaves the program byte for byte as ExecuTorch's stock
+# pipeline writes it, which tests/test_executorch_export.py checks by turning this off.
+LOWERING_SHORTCUTS = True
 
 
 def _lower(exported, methods: dict[str, Any], opts: PteOptions):
     from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
 
-    passes = _decoder_xnnpack_passes(opts.custom_ops) if opts.delegate == "xnnpack" else contextlib.nullcontext()
-    with passes:
+    shortcuts = contextlib.ExitStack()
+    if LOWERING_SHORTCUTS:
+        shortcuts.enter_context(_partitions_legalized_in_place())
+        if opts.delegate == "xnnpack":
+            shortcuts.enter_context(_decoder_xnnpack_passes(opts.custom_ops))
+    with shortcuts:
         return to_edge_transform_and_lower(
             exported, partitioner=_partitioners(opts),
             # The custom ops and torchao's quantize ops are not core ATen; the checks would refuse them.
@@ -597,7 +631,15 @@ _PASSES_FOR_ABSENT_OPS = {
     "Conv1dUnsqueezePass": ("convolution",),
     "PReLUReshapePass": ("prelu",),
     "InsertPadQDQPass": ("constant_pad_nd",),
+    # These change a partition only where it holds their ops, yet retrace it whatever it holds.
+    "FuseActivationPass": ("relu", "hardtanh"),  # fuses these into the op before them
+    "RemoveGetItemPass": ("max_pool2d_with_indices", "aten.max.dim"),  # their getitem users
+    "DecomposeConcatenate": ("cat",),  # splits a cat of more than 4 inputs
+    "RemoveRedundantCopyPass": ("_to_copy",),  # removes a pair of dtype / memory-format copies
+    "DimOrderOpsRevertPass": ("dim_order",),  # dim_order ops back to memory-format ops
 }
+# XNNPACK passes that only copy node.meta["custom"] (a user's annotation) onto quantize/dequantize nodes.
+_PASSES_FOR_CUSTOM_META = ("PropagateCustomMetaPass",)
 
 
 @contextlib.contextmanager
@@ -606,8 +648,11 @@ def _decoder_xnnpack_passes(custom_sdpa: bool) -> Iterator[None]:
 
     Its pass manager runs 17 passes on every partition, and six of them (upsampling, batch norm, conv1d,
     PReLU, padding; SDPA under custom_sdpa) can only rewrite ops that a decoder's graph lacks: 25% of the
-    lowering's CPU time on SmolLM2, for no change. A pass is skipped only when none of its ops is in the
-    partition, so the program is byte-identical (tests/test_executorch_export.py lowers it both ways)."""
+    lowering's CPU time on SmolLM2, for no change. Six more (activation fusion, getitem removal, cat
+    decomposition, redundant copies, dim-order reversion, custom-meta propagation) rewrite only the ops
+    or annotations they look for, but retrace the partition in any case. A pass is skipped only when
+    none of its ops is in the partition, so the program is byte-identical (tests/test_executorch_export.py
+    lowers it both ways)."""
     from executorch.backends.xnnpack import xnnpack_preprocess
 
     full = xnnpack_preprocess.XNNPACKPassManager
@@ -616,15 +661,117 @@ def _decoder_xnnpack_passes(custom_sdpa: bool) -> Iterator[None]:
     class DecoderPassManager(full):
         def __init__(self, exported_program, passes=None):
             super().__init__(exported_program, passes)
-            ops = {str(n.target) for n in exported_program.graph.nodes if n.op == "call_function"}
-            self.passes = [p for p in self.passes if p.__name__ not in skip_when_absent
-                           or any(word in op for op in ops for word in skip_when_absent[p.__name__])]
+            nodes = exported_program.graph.nodes
+            ops = {str(n.target) for n in nodes if n.op == "call_function"}
+            custom = any("custom" in n.meta for n in nodes)
+
+            def needed(name: str) -> bool:
+                if name in _PASSES_FOR_CUSTOM_META:
+                    return custom
+                return name not in skip_when_absent or any(word in op for op in ops for word in skip_when_absent[name])
+
+            self.passes = [p for p in self.passes if needed(p.__name__)]
 
     xnnpack_preprocess.XNNPACKPassManager = DecoderPassManager
     try:
         yield
     finally:
         xnnpack_preprocess.XNNPACKPassManager = full
+
+
+# torch.fx's legalize_graph (torch 2.13) puts these first in its topological order (runtime assertions).
+_LEGALIZE_FIRST = frozenset((
+    operator.add, operator.mul, operator.sub, operator.floordiv, operator.truediv, operator.mod, operator.le,
+    operator.lt, operator.ge, operator.gt, operator.eq, operator.ne, torch.ops.aten.sym_constrain_range.default,
+    torch.ops.aten.sym_constrain_range_for_size.default, torch.ops.aten._assert_async.msg,
+    torch.ops.aten.scalar_tensor.default, torch.ops.aten._assert_scalar.default))
+
+
+@contextlib.contextmanager
+def _partitions_legalized_in_place() -> Iterator[None]:
+    """While lowering, each partition cut out of the graph re-sorts the graph in place instead of
+    rebuilding it.
+
+    ExecuTorch's `create_submodule_from_nodes` ends every partition with torch.fx's `legalize_graph`:
+    a new graph with a copy of every node, then Python code generated and compiled for the whole graph
+    again. Done once per partition (210 on SmolLM2's 30 layers) that is quadratic in the layers: 22% of
+    the full model's lowering. The replacement computes the same topological order (the same
+    algorithm, on the same node and user order), moves the nodes into it, and leaves the graph as the
+    copy would have: each node's users in graph order, the name counters and the find-nodes table as
+    a fresh graph registers them. The code is generated once, after the last partition, before anything
+    runs the module."""
+    import collections
+
+    from executorch.exir import lowered_backend_module
+    from executorch.exir.backend import backend_api
+    from torch.fx.graph import _FindNodesLookupTable, _Namespace
+
+    legalize, create = lowered_backend_module.legalize_graph, backend_api._create_partitions_in_graph_module
+    lower_one = backend_api._partition_and_lower_one_graph_module
+    stale: set = set()
+
+    def legalize_in_place(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+        graph = gm.graph
+        nodes = list(graph.nodes)
+        indeg = dict.fromkeys(nodes, 0)
+        for node in nodes:
+            for user in node.users:
+                indeg[user] += 1
+        queue = collections.deque(n for n in nodes if indeg[n] == 0)
+        order = []
+        while queue:  # legalize_graph's order: Kahn's, runtime assertions first
+            cur = queue.popleft()
+            order.append(cur)
+            for user in cur.users:
+                indeg[user] -= 1
+                if indeg[user] == 0:
+                    if user.op == "call_function" and user.target in _LEGALIZE_FIRST:
+                        queue.appendleft(user)
+                    else:
+                        queue.append(user)
+        if len(order) < len(nodes):
+            return legalize(gm)  # its error names the cycle
+        namespace, table = _Namespace(), _FindNodesLookupTable()
+        for node in order:  # as node_copy into a fresh graph registers them, in this order
+            if namespace.create_name(node.name, None) != node.name:
+                return legalize(gm)  # a copy would rename it: let the copy be made
+            namespace.associate_name_with_obj(node.name, node)
+            table.insert(node)
+        cursor = graph._root
+        for node in order:
+            if cursor._next is not node:
+                cursor.append(node)
+            cursor = node
+        position = {node: i for i, node in enumerate(order)}
+        for node in order:  # a copy's users are created in graph order
+            users = sorted(node.users, key=position.__getitem__)
+            if list(node.users) != users:
+                node.users.clear()
+                node.users.update(dict.fromkeys(users))
+        graph._graph_namespace, graph._find_nodes_lookup_table = namespace, table
+        graph._tracer_cls = graph._tracer_extras = None
+        graph._co_fields = {}
+        stale.add(gm)
+        return gm
+
+    def recompiled(fn):
+        def run(tagged_graph_module, *args, **kwargs):
+            result = fn(tagged_graph_module, *args, **kwargs)
+            for gm in list(stale):
+                gm.recompile()
+            stale.clear()
+            return result
+        return run
+
+    lowered_backend_module.legalize_graph = legalize_in_place
+    backend_api._create_partitions_in_graph_module = recompiled(create)
+    backend_api._partition_and_lower_one_graph_module = recompiled(lower_one)
+    try:
+        yield
+    finally:
+        lowered_backend_module.legalize_graph = legalize
+        backend_api._create_partitions_in_graph_module = create
+        backend_api._partition_and_lower_one_graph_module = lower_one
 
 
 def _to_executorch(edge):
@@ -634,17 +781,59 @@ def _to_executorch(edge):
     from executorch.exir.passes.init_mutable_pass import InitializedMutableBufferPass
     from executorch.exir.passes.sym_shape_eval_pass import ConstraintBasedSymShapeEvalPass
 
+    # Each of these passes retraces the whole program, running every delegate's original graph again
+    # (SmolLM2: 210), so each runs only where it can change something (LOWERING_SHORTCUTS; the program
+    # is byte-identical either way).
+    graph = edge.exported_program().graph
+    targets = {str(n.target) for n in graph.nodes if n.op == "call_function"}
     # Linears left outside a delegate run as ExecuTorch's optimized linear, not transpose + mm.
-    edge = edge.transform([ConvertToLinearPass()])
-    return edge.to_executorch(ExecutorchBackendConfig(
-        # Mutable buffers start uninitialised unless marked; the ring's slot positions must start at -1
-        # (empty). The K/V buffers need no initial value: empty slots are masked.
-        passes=[InitializedMutableBufferPass(["slot_pos"])],
-        extract_delegate_segments=True,
-        do_quant_fusion_and_const_prop=True,  # dequantize + embedding -> quantized_decomposed::embedding_4bit
-        memory_planning_pass=MemoryPlanningPass(alloc_graph_input=False),  # inputs come from the caller
-        sym_shape_eval_pass=ConstraintBasedSymShapeEvalPass(),  # plan memory for the upper bound of S
-    ))
+    if not LOWERING_SHORTCUTS or any(word in t for t in targets for word in _LINEAR_OPS):
+        edge = edge.transform([ConvertToLinearPass()])
+    # Mutable buffers start uninitialised unless marked; the ring's slot positions must start at -1
+    # (empty). The K/V buffers need no initial value: empty slots are masked.
+    init = not LOWERING_SHORTCUTS or any(n.op == "placeholder" and "slot_pos" in n.name for n in graph.nodes)
+    with _delegates_unlifted_once(edge) if LOWERING_SHORTCUTS else contextlib.nullcontext():
+        return edge.to_executorch(ExecutorchBackendConfig(
+            passes=[InitializedMutableBufferPass(["slot_pos"])] if init else [],
+            extract_delegate_segments=True,
+            do_quant_fusion_and_const_prop=True,  # dequantize + embedding -> quantized_decomposed::embedding_4bit
+            memory_planning_pass=MemoryPlanningPass(alloc_graph_input=False),  # inputs come from the caller
+            sym_shape_eval_pass=ConstraintBasedSymShapeEvalPass(),  # plan memory for the upper bound of S
+        ))
+
+
+@contextlib.contextmanager
+def _delegates_unlifted_once(edge) -> Iterator[None]:
+    """While `to_executorch` runs, each delegate's original program is turned into a module once.
+
+    Every pass that retraces the program meets each delegate call and runs the delegate's original graph
+    on fake tensors for its output shapes, through `ExportedProgram.module()`, which unlifts the program's
+    parameters into a new GraphModule every time: a quarter of to_executorch on SmolLM2 (210 delegates
+    times each retracing pass). The module is a pure function of the program, which nothing changes
+    here, so the first one is handed out again; other programs are not touched."""
+    from executorch.exir.lowered_backend_module import get_lowered_submodules
+    from torch.export import ExportedProgram
+
+    originals = {id(lowered.original_module): lowered.original_module
+                 for _, lowered, _ in get_lowered_submodules(edge.exported_program().graph_module)}
+    module, made = ExportedProgram.module, {}
+
+    def module_once(self, *args, **kwargs):
+        if args or kwargs or originals.get(id(self)) is not self:
+            return module(self, *args, **kwargs)
+        if id(self) not in made:
+            made[id(self)] = module(self)
+        return made[id(self)]
+
+    ExportedProgram.module = module_once
+    try:
+        yield
+    finally:
+        ExportedProgram.module = module
+
+
+# What ConvertToLinearPass rewrites: [add|b]mm from linear modules, linear with view_copy around it.
+_LINEAR_OPS = ("linear", "aten.mm.", "addmm", "bmm")
 
 
 # ---- progress, files, cache ---------------------------------------------------------------------------

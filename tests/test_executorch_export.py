@@ -8,7 +8,6 @@ it cannot run on Linux).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
 
@@ -242,16 +241,17 @@ def test_float_zero_point_8da4w_runs_on_xnnpack_and_matches_eager(fzp_model, sto
     assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.95
 
 
-def test_skipped_xnnpack_passes_would_have_changed_no_byte(fzp_model, tmp_path, monkeypatch):
-    """The lowering skips XNNPACK passes whose ops a partition lacks (`_decoder_xnnpack_passes`): with
-    ExecuTorch's full pass list the same program comes out, byte for byte."""
+def test_lowering_shortcuts_would_have_changed_no_byte(fzp_model, tmp_path, monkeypatch):
+    """The lowering's shortcuts (`LOWERING_SHORTCUTS`: one decomposition instead of three, XNNPACK
+    passes skipped where a partition lacks their ops, ...): with ExecuTorch's stock pipeline the same
+    program comes out, byte for byte."""
     import edgefinfer.compile.executorch_export as executorch_export
 
-    skipped, full = tmp_path / "skipped.pte", tmp_path / "full.pte"
-    export_pte(fzp_model, skipped, recipe="8da4w", max_seq_len=MAX_SEQ, cache=False, progress=False)
-    monkeypatch.setattr(executorch_export, "_decoder_xnnpack_passes", lambda custom_sdpa: contextlib.nullcontext())
-    export_pte(fzp_model, full, recipe="8da4w", max_seq_len=MAX_SEQ, cache=False, progress=False)
-    assert skipped.read_bytes() == full.read_bytes()
+    fast, stock = tmp_path / "fast.pte", tmp_path / "stock.pte"
+    export_pte(fzp_model, fast, recipe="8da4w", max_seq_len=MAX_SEQ, cache=False, progress=False)
+    monkeypatch.setattr(executorch_export, "LOWERING_SHORTCUTS", False)
+    export_pte(fzp_model, stock, recipe="8da4w", max_seq_len=MAX_SEQ, cache=False, progress=False)
+    assert fast.read_bytes() == stock.read_bytes()
 
 
 def test_4bit_embeddings_use_the_quantized_embedding_kernel(q8da4w):
