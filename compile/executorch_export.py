@@ -54,6 +54,7 @@ from edgefinfer.compile.et_quant import (QUANTIZED_SCHEMES, Scheme, check_xnnpac
                                          quantize_for_xnnpack, scheme_of)
 from edgefinfer.compile.vendor_sdks import require_sdk
 from edgefinfer.errors import UserChoice, UserError
+from edgefinfer.model import transformer as transformer_module
 from edgefinfer.model.transformer import Transformer
 
 Delegate = Literal["xnnpack", "coreml", "neuropilot"]
@@ -89,8 +90,11 @@ NEUROPILOT_PLATFORMS = ("mt6989", "mt6991", "mt6993")  # what ExecuTorch 1.5.1's
 NEUROPILOT_COMPILE_OPTIONS = (("gno", b"LTS"), ("gno-exp", b""), ("gno-non-4d-tiling", b""))
 
 # The exporter modules whose source is part of the cache key: editing them invalidates old programs.
-CACHE_SOURCES = tuple(Path(__file__).with_name(n) for n in ("executorch_export.py", "et_attention.py", "et_quant.py",
-                                                             "fusion.py"))
+# The exported graph is a trace of the model's forward and of the modules `compile.quant.layouts` swaps in
+# (a float zero point's OffsetLinear), so their source is part of the key as well as the exporter's.
+CACHE_SOURCES = (*(Path(__file__).with_name(n) for n in ("executorch_export.py", "et_attention.py", "et_quant.py",
+                                                         "fusion.py")),
+                 *sorted(Path(__file__).with_name("quant").glob("*.py")), Path(transformer_module.__file__))
 PROGRAM = "model.pte"  # the program's name inside a cache entry
 # Kernel libraries a .pte from this exporter may need registered before it is loaded.
 RUNTIME_KERNEL_MODULES = ("executorch.kernels.quantized", "executorch.extension.llm.custom_ops.custom_ops")

@@ -71,6 +71,18 @@ def test_the_key_follows_weights_options_and_exporter_source(model, tmp_path):
     assert content_key(KIND, model, opts, (edited, *CACHE_SOURCES[1:])) != key
 
 
+def test_the_executorch_key_covers_the_code_it_traces():
+    """An ExecuTorch program is a trace of the model's forward and of the modules the quantizer's layouts
+    swap in (OffsetLinear): an edit to either must miss the cache (it once reused a stale program)."""
+    pytest.importorskip("executorch")
+    from edgefinfer.compile import executorch_export
+    from edgefinfer.compile.quant import layouts
+    from edgefinfer.model import transformer
+
+    sources = {Path(p).resolve() for p in executorch_export.CACHE_SOURCES}
+    assert {Path(layouts.__file__).resolve(), Path(transformer.__file__).resolve()} <= sources
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate", "entry_json"])
 def test_a_damaged_entry_is_discarded_in_one_line_and_rebuilt(model, tmp_path, capsys, damage):
     root = tmp_path / "c"

@@ -233,6 +233,10 @@ def test_float_zero_point_8da4w_runs_on_xnnpack_and_matches_eager(fzp_model, sto
     # The group sums are mean-pools XNNPACK takes, and the norms' means are linears; a sum or a mean left
     # outside would split every layer's graph into more delegates.
     assert not any(op.startswith(("aten::sum", "aten::mean")) for op in forward["operators"]), forward["operators"]
+    # Nor may a reshape with a symbolic size (XNNPACK takes only static sizes and one -1): per layer, one
+    # delegate before the cache update, one between attention and the next layer's q|k|v split, one for RoPE.
+    layers = quantized.config.num_hidden_layers
+    assert len(forward["delegates"]) <= 3 * layers + 2, (len(forward["delegates"]), layers)
     tokens = prompt[:16]
     got = teacher_forced(ExecuTorchBackend(path, threads=1), tokens, 8)
     want = teacher_forced(TorchBackend(quantized, max_seq_len=MAX_SEQ), tokens, 8)
