@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import os
 import shutil
@@ -258,6 +259,60 @@ def check_fzp_search(model, folder: Path, tok, float_ppl: dict, args) -> dict:
             "measured_by": "eager torch (float32 activations)", **rows}
 
 
+def check_smoothing(models: list[str], args) -> list[dict]:
+    """Eager perplexity per held-out domain of the android default recipe (int8 activations) without and
+    with the power-of-two smoothing of the MLP's input (compile/quant/smoothing.py), per model: what the
+    smoothing alone does, with the same weights, codes and calibration text."""
+    from edgefinfer.app.build import quantize_for, source_precision
+    from edgefinfer.bundle.recipe import Recipe
+    from edgefinfer.bundle.targets import get_target
+    from edgefinfer.model import reference
+    from edgefinfer.model.checkpoint import load_model
+    from edgefinfer.tokenization.tokenizer import Tokenizer
+
+    target = get_target("android")
+    recipe = Recipe.parse(target.recipe)
+    rows = []
+    for name in models:
+        folder = reference.pull(name)
+        model, tok = load_model(folder), Tokenizer.from_dir(folder)
+        with torch.no_grad():
+            float_ppl = heldout_ppl(lambda t: model(t), tok, args.tokens, args.window)
+        overrides = source_precision(folder, recipe)
+        row = {"model": name, "recipe": recipe.name, "float_ppl": float_ppl,
+               "measured_by": "eager torch (int8 activations fake-quantized as XNNPACK rounds them)"}
+        for label, smoothing in (("unsmoothed", False), ("smoothed", True)):
+            variant = dataclasses.replace(recipe, quant=recipe.quant.replace(smoothing=smoothing))
+            quantized = quantize_for(model, target, variant, tok, overrides)
+            with torch.no_grad():
+                ppl = heldout_ppl(quantized, tok, args.tokens, args.window)
+            row[label] = {"ppl": ppl, "ppl_delta_pct": {d: round(100 * (ppl[d] / float_ppl[d] - 1), 2) for d in ppl}}
+            print(name, label, json.dumps(row[label]["ppl_delta_pct"]), flush=True)
+        if name == "gemma3-270m" and args.smoothing_bundle:  # the -smooth recipe's .pte, measured by ExecuTorch
+            row["bundle"] = measured_bundle(Path(args.smoothing_bundle), float_ppl, args)
+            print(name, "bundle", json.dumps(row["bundle"]), flush=True)
+        rows.append(row)
+    return rows
+
+
+def measured_bundle(bundle: Path, float_ppl: dict, args) -> dict:
+    """Held-out perplexity of a built bundle measured by its own runtime, its recipe and size."""
+    from edgefinfer.bundle.manifest import load_manifest
+    from edgefinfer.runtime.engine import open_backend
+
+    manifest = load_manifest(bundle)
+    backend, tok, _ = open_backend(bundle, None, threads=args.threads, max_seq_len=args.window)
+
+    def logits_fn(tokens):
+        backend.reset()
+        return backend.forward(tokens[0].tolist(), 0)[None]
+
+    ppl = heldout_ppl(logits_fn, tok, args.tokens, args.window)
+    size = sum(a.size for a in manifest.artefacts if a.role in ("model", "weights"))
+    return {"recipe": manifest.recipe["name"], "runtime": backend.name, "size_bytes": size, "ppl": ppl,
+            "ppl_delta_pct": {d: round(100 * (ppl[d] / float_ppl[d] - 1), 2) for d in ppl}}
+
+
 def bundle_path(row: dict, args) -> Path:
     """The artefact a bundle row measured, or the same target's in --bundles (a row kept by --merge may
     name a temporary folder of an earlier run)."""
@@ -365,6 +420,10 @@ def main() -> None:
     ap.add_argument("--grid-recipes", default=",".join(GRID_RECIPES), help="with --grids: these recipes only")
     ap.add_argument("--grid-models", default="smollm2-135m,gemma3-270m", help="with --grids: these models only")
     ap.add_argument("--fzp-search", action="store_true", help="also the float zero point's grid, min-max vs searched")
+    ap.add_argument("--smoothing", action="store_true",
+                    help="also the android recipe's int8 activations without and with their smoothing (eager)")
+    ap.add_argument("--smoothing-models", default="smollm2-135m,gemma3-270m", help="with --smoothing: these models")
+    ap.add_argument("--smoothing-bundle", help="with --smoothing: a Gemma bundle built with the -smooth recipe")
     ap.add_argument("--merge", action="store_true",
                     help="keep the results file's other sections and rows: replace only what this run measures")
     args = ap.parse_args()
@@ -423,6 +482,9 @@ def main() -> None:
                 save()
             if args.fzp_search:
                 result["fzp_search"] = check_fzp_search(model, folder, tok, float_ppl, args)
+                save()
+            if args.smoothing:
+                result["smoothing"] = check_smoothing(args.smoothing_models.split(","), args)
                 save()
             if args.grids:  # a row replaces the same model and recipe's row
                 grids = result["grids"] = [r for r in result.get("grids", []) if r["recipe"] not in

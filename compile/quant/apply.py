@@ -23,6 +23,7 @@ from edgefinfer.compile.quant.modules import Fp8Linear, QuantEmbedding, QuantLin
 from edgefinfer.compile.quant.primitives import IntWeights, quantize_fp8, quantize_int
 from edgefinfer.compile.quant.recipe import QuantRecipe, WeightFormat
 from edgefinfer.compile.quant.rotation import check_rotatable, rotate_model
+from edgefinfer.compile.quant.smoothing import smooth_mlp_inputs, smoothing_exponents
 from edgefinfer.errors import UserError
 from edgefinfer.model.transformer import Transformer
 
@@ -42,6 +43,7 @@ class QuantResult:
     clip_gain: list[float] = field(default_factory=list)  # per clipped linear: loss unclipped / clipped
     gptq_damp: dict[str, float] = field(default_factory=dict)  # per GPTQ matrix: the damp used
     head_method: str = "rtn"  # how lm_head was quantized (gptq: on the final hidden states, when untied)
+    smoothing: dict[int, int] = field(default_factory=dict)  # layer -> largest power of two its MLP input shrank by
 
     def bits_table(self) -> dict[str, str]:
         return {name: "float" if f is None else f.label() for name, f in self.formats.items()}
@@ -70,6 +72,22 @@ def plan_formats(model: Transformer, recipe: QuantRecipe) -> dict[str, WeightFor
     if plan[EMBEDDING] is not None and plan[EMBEDDING].kind != "int":
         raise UserError("embeddings can be quantized to integers only (use -emb8, -emb4 or -embf)")
     return plan
+
+
+def _smooth(model: Transformer, plan: dict[str, WeightFormat | None], calib: Tensor | None, result: QuantResult,
+            say: Progress) -> None:
+    """Power-of-two smoothing of the int8 activations (see smoothing.py); skipped, and said, when no
+    calibration blocks were given (`edgefinfer build` and `quantize` always give them)."""
+    if calib is None or calib.numel() == 0:
+        say("[smooth] no calibration blocks: int8 activations left unsmoothed")
+        return
+    t = time.perf_counter()
+    factors = smoothing_exponents(model, calib, plan)
+    smooth_mlp_inputs(model, factors)
+    result.smoothing = {i: 1 << int(e.max()) for i, (_, e) in factors.items()}
+    top = max(result.smoothing.values(), default=1)
+    say(f"[smooth] {len(factors)} of {len(model.model.layers)} MLP inputs shrunk by powers of two "
+        f"(largest {top}x), {time.perf_counter() - t:.1f}s")
 
 
 def set_module(root: nn.Module, name: str, module: nn.Module) -> None:
@@ -104,6 +122,8 @@ def quantize_model(model: Transformer, recipe: QuantRecipe, calib: Tensor | None
         say(f"[rotation] R1 {rot.residual}, R2 {rot.head} per head, {rot.seconds:.1f}s"
             + (f"; head untied (+{rot.extra_parameters / 1e6:.1f}M parameters)" if rot.untied else ""))
     result = QuantResult(recipe, plan, 0.0, 0, model.config.tie_word_embeddings)
+    if recipe.smoothing:  # on the float (rotated) model, before anything is rounded
+        _smooth(model, plan, calib, result, say)
 
     # Embeddings first, so calibration activations start from the quantized lookup.
     _quantize_embedding_and_head(model, plan, act_quant)

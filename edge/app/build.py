@@ -389,11 +389,12 @@ def quantize_for(model, target: Target, recipe: Recipe, tokenizer, overrides: di
     if overrides:
         parsed = parsed.with_overrides(overrides)
     calib = None
-    if parsed.method != "rtn":
+    if parsed.needs_calibration:
         from edgefinfer.app.quantize_command import default_calibration
 
-        # 16 blocks of 256 tokens across kinds of text (a minute of GPTQ on the reference model): the
-        # same default as `edgefinfer quantize`, so both commands make the same model of a recipe.
+        # 16 blocks of 256 tokens across kinds of text (a minute of GPTQ on the reference model; the
+        # smoothing of int8 activations reads their maxima): the same default as `edgefinfer quantize`,
+        # so both commands make the same model of a recipe.
         calib = default_calibration(tokenizer)
     return _cached_quantization(model, parsed, calib, lambda m: quantize_model(
         m, parsed, calib, progress=lambda line: print(f"  {line}", file=sys.stderr)))

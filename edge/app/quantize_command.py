@@ -93,8 +93,9 @@ def quantize(model: str, recipe_name: str, output: Path, calib_blocks: int, cali
         parse_size(mixed_budget)  # a malformed budget fails before any work
 
     calib = None
-    if recipe.method != "rtn" or use_mixed:
-        calib = _calibration_blocks(tok, calib_text, calib_len, calib_blocks, seed, recipe.method, calib_split)
+    if recipe.needs_calibration or use_mixed:
+        needs = recipe.method if recipe.method != "rtn" else "smoothing the int8 activations"
+        calib = _calibration_blocks(tok, calib_text, calib_len, calib_blocks, seed, needs, calib_split)
 
     extra: dict = {"model": str(folder), "calib_blocks": 0 if calib is None else calib.shape[0],
                    "calib_len": calib_len, "calib_source": str(calib_text) if calib_text else calib_split,

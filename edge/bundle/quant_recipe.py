@@ -6,7 +6,7 @@ description (`edgefinfer.bundle.artefact`) and the runtimes hold it without impo
 
 A recipe name is a short dash-separated string parsed by `parse_recipe`:
 
-    SCHEME [-METHOD] [-gN | -pc] [-sym | -asym | -fzp] [-embF] [-rot]
+    SCHEME [-METHOD] [-gN | -pc] [-sym | -asym | -fzp] [-embF] [-smooth] [-rot]
 
     SCHEME  int8 | int4 | 8da4w | 8da8w | fp8  (8daNw = int8 dynamic per-token activations, intN weights;
                                                8da8w is per-channel, with int8 per-row embeddings)
@@ -23,6 +23,11 @@ A recipe name is a short dash-separated string parsed by `parse_recipe`:
             defaults: int8 per-row for int8 and 8da4w, emb8 for int4, float for fp8
     -rot    fuse a randomized Hadamard rotation into the float weights first (QuaRot / SpinQuant R1+R2,
             see `edgefinfer.compile.quant.rotation`); composes with every method; unties a tied head
+
+    -smooth for int8 activations (8daNw): shrink the large channels of the MLP's down-projection input by
+            powers of two over whole weight groups, folded into the up projection and chosen per layer
+            on the calibration text (exact in float; the weights stay on their grids; see
+            `edgefinfer.compile.quant.smoothing`, measured in bench/results/gemma3.json `smoothing`)
 
 Examples: `int8`, `int4-g32`, `int4-awq-g64`, `int4-gptq-g128-sym`, `8da4w-g32`, `fp8`, `int4-g64-emb8`,
 `int4-gptq-g32-rot`, `8da4w-g32-emb8-rot`.
@@ -184,6 +189,12 @@ class QuantRecipe:
     gptq: GPTQSettings = field(default_factory=GPTQSettings)
     awq: AWQSettings = field(default_factory=AWQSettings)
     rotation: RotationSettings | None = None  # None: no rotation
+    smoothing: bool = False  # the int8 activations' power-of-two smoothing (compile/quant/smoothing.py)
+
+    @property
+    def needs_calibration(self) -> bool:
+        """Whether quantizing reads calibration text (GPTQ/AWQ's statistics, the smoothing's maxima)."""
+        return self.method != "rtn" or self.smoothing
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -224,6 +235,7 @@ class QuantRecipe:
             "gptq": dataclasses.asdict(self.gptq),
             "awq": dataclasses.asdict(self.awq),
             "rotation": None if self.rotation is None else dataclasses.asdict(self.rotation),
+            "smoothing": self.smoothing,
         }
 
     @classmethod
@@ -242,6 +254,7 @@ class QuantRecipe:
                 gptq=GPTQSettings(**d.get("gptq", {})),
                 awq=AWQSettings(**d.get("awq", {})),
                 rotation=None if d.get("rotation") is None else RotationSettings(**d["rotation"]),
+                smoothing=bool(d.get("smoothing", False)),  # absent: quantized before smoothing existed
             )
         except (KeyError, TypeError) as e:
             raise UserError(f"quantization_config is malformed ({e}); re-quantize the model") from None
@@ -260,6 +273,7 @@ _NAME = re.compile(
     r"(?:-(?P<group>g\d+|pc))?"
     r"(?:-(?P<sym>sym|asym|fzp))?"
     r"(?:-(?P<emb>emb8|emb4|embf))?"
+    r"(?:-(?P<smooth>smooth))?"
     r"(?:-(?P<rot>rot))?$"
 )
 
@@ -269,7 +283,7 @@ RECIPE_NAMES: tuple[str, ...] = (
     "int4-g32", "int4-g64", "int4-g128", "int4-g64-sym", "int4-g32-fzp", "int4-gptq-g32-fzp",
     "int4-gptq-g32", "int4-gptq-g64", "int4-gptq-g128", "int4-gptq-g64-sym", "int4-gptq-noact-g64-sym",
     "int4-awq-g32", "int4-awq-g64", "int4-awq-g128", "int4-awq-g64-sym", "int4-awq-noclip-g32", "int4-awq-gptq-g32",
-    "8da4w-g32", "8da4w-g64", "8da4w-g128", "8da4w-g32-fzp", "8da4w-gptq-g32-fzp", "8da8w",
+    "8da4w-g32", "8da4w-g64", "8da4w-g128", "8da4w-g32-fzp", "8da4w-g32-fzp-smooth", "8da4w-gptq-g32-fzp", "8da8w",
     "fp8",
 )
 
@@ -279,8 +293,12 @@ def parse_recipe(name: str) -> QuantRecipe:
     m = _NAME.match(name.strip().lower())
     if m is None:
         raise UserError(f"unknown recipe {name!r}: use one of {', '.join(RECIPE_NAMES)} "
-                        "(grammar: SCHEME[-rtn|gptq|gptq-noact|awq|awq-noclip|awq-gptq][-gN|-pc][-sym|-asym|-fzp][-emb8|-emb4|-embf][-rot])")
-    scheme, method, group, sym, emb, rot = (m[k] for k in ("scheme", "method", "group", "sym", "emb", "rot"))
+                        "(grammar: SCHEME[-rtn|gptq|gptq-noact|awq|awq-noclip|awq-gptq][-gN|-pc][-sym|-asym|-fzp][-emb8|-emb4|-embf][-smooth][-rot])")
+    scheme, method, group, sym, emb, smooth, rot = (m[k] for k in ("scheme", "method", "group", "sym", "emb", "smooth",
+                                                                  "rot"))
+    if smooth and scheme not in ("8da4w", "8da8w"):
+        raise UserError(f"recipe {name!r}: -smooth evens out int8 activations, which only 8da4w and 8da8w have; "
+                        "drop -smooth")
     method = method or "rtn"
     act_order = method != "gptq-noact"
     clip = method != "awq-noclip"
@@ -328,6 +346,7 @@ def parse_recipe(name: str) -> QuantRecipe:
         gptq=GPTQSettings(act_order=act_order),
         awq=AWQSettings(clip=clip),
         rotation=RotationSettings() if rot else None,
+        smoothing=bool(smooth),
     )
 
 
