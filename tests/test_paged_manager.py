@@ -395,6 +395,23 @@ def test_retained_blocks_are_capped():
     check_invariants(d)
 
 
+def test_pool_evicts_blocks_no_second_sequence_used_first():
+    """The free queue: empty blocks, then cached ones used once, then reused ones (a prefix hit
+    touched them while cached or held), each least recently used first and a sequence's tail first."""
+    d = Driver(8, builtin_block_hash)
+    m = d.m
+    d.allocate("a", P + [1])  # blocks 0, 1 (P) and 2
+    m.mark_computed("a")
+    assert d.allocate("b", P + [2]).block_ids == (0, 1, 3)  # a prefix hit: 0 and 1 are reused now
+    d.allocate("c", [7] * 8 + [3])  # blocks 4, 5 (used once) and 6
+    m.mark_computed("b"), m.mark_computed("c")
+    d.free("a"), d.free("b"), d.free("c")
+    assert m.pool.free_block_ids() == [6, 3, 2, 7, 5, 4, 1, 0]
+    assert [m.pool.is_reused(b) for b in (0, 1, 4, 5)] == [True, True, False, False]
+    assert d.allocate("d", [9] * 24).evicted_block_ids == (5, 4)  # after the empty 6, 3, 2, 7
+    assert m.pool.free_block_ids() == [1, 0] and m.pool.oldest_cached() == 1
+
+
 def test_prefix_caching_disabled_and_errors():
     m = PagedKVManager(8, BS, enable_prefix_caching=False)
     m.allocate("a", P + [1])
