@@ -123,7 +123,7 @@ class LlamaSeqStorage:
             self.ctx.remove(d, num_tokens)
 
 
-DEFAULT_RETAIN_TOKENS = 512  # unified layout: tokens kept in retained prefixes unless --retain-tokens says
+DEFAULT_RETAIN_TOKENS = 512  # unified layout: tokens only retained prefixes keep, unless --retain-tokens says
 
 
 class LlamaCppExecutor:
@@ -162,7 +162,8 @@ class LlamaCppExecutor:
         # Every token attends (masked) over the unified pool up to its highest used cell, so retained
         # cells cost every step compute, and more than their number: one kept high in the pool keeps
         # the attended extent there. Uncapped, bench/server.py's workloads ran at half speed after six
-        # runs (docs/SERVER.md); one system prompt's worth stays cheap.
+        # runs (docs/SERVER.md); one system prompt's worth stays cheap. The cap counts the cells only
+        # retained prefixes hold (PagedKVManager's `retain_blocks`): running requests' are there anyway.
         if retain_tokens is None and retain_prefixes:
             retain_tokens = DEFAULT_RETAIN_TOKENS
         self.retain_blocks = None if retain_tokens is None else retain_tokens // block_size
