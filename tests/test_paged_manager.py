@@ -148,8 +148,10 @@ class Driver:
     def free(self, seq):
         event = self.m.free(seq)
         event.apply_to(self.storage)
-        if self.m.retain_prefixes and self.m.retain_blocks is not None:  # the cap holds after every free
+        if self.m.retain_prefixes and self.m.retain_blocks is not None:  # the caps hold after every free
             assert self.m.stats().num_cached <= self.m.retain_blocks
+        if self.m.retain_prefixes and self.m.retain_once_blocks is not None:
+            assert self.m.pool.num_cached_once <= self.m.retain_once_blocks
         return event
 
 
@@ -439,6 +441,29 @@ def test_retained_system_prompts_outlive_the_requests_after_them():
     check_invariants(d)
 
 
+def test_prompts_nothing_shares_get_the_smaller_cap():
+    """`retain_once_blocks` (2Q's split): blocks no second sequence used stay within it, while prefixes
+    that one did may fill `retain_blocks`; the once-used go first."""
+    d = Driver(64, builtin_block_hash, per_sequence_storage=True, retain_prefixes=16, retain_blocks=6,
+               retain_once_blocks=2)
+    m = d.m
+    for i in range(4):  # unique 2-block prompts: only the last one's 2 blocks stay
+        d.allocate(i, [i] * 8 + [99])
+        m.mark_computed(i)
+        d.free(i)
+    assert (m.stats().num_cached, m.pool.num_cached_once, len(m.retained())) == (2, 2, 1)
+    for k in range(3):  # shared 2-block prefixes, each used by two requests: 6 reused blocks stay
+        for q in (0, 1):
+            seq = f"s{k}{q}"
+            plan = d.allocate(seq, [10 + k] * 8 + [q])
+            assert plan.num_cached_tokens == 8 * q
+            m.mark_computed(seq)
+            d.free(seq)
+    assert (m.stats().num_cached, m.pool.num_cached_once) == (6, 0)
+    assert all(d.allocate(f"again{k}", [10 + k] * 8 + [5]).num_cached_tokens == 8 for k in range(3))
+    check_invariants(d)
+
+
 def _hashes(d: Driver, tokens: list[int]) -> list:
     out, parent = [], None
     for i in range(0, len(tokens), BS):
@@ -538,7 +563,7 @@ def check_invariants(d: Driver):
 def test_random_ops_keep_invariants(hash_fn, per_sequence_storage, retain, retain_blocks):
     rng = random.Random(1234)
     d = Driver(16, hash_fn, per_sequence_storage=per_sequence_storage, retain_prefixes=retain,
-               retain_blocks=retain_blocks)
+               retain_blocks=retain_blocks, retain_once_blocks=retain_blocks and retain_blocks - 1)
     m = d.m
     prefixes = [[rng.randrange(4) for _ in range(12)] for _ in range(3)]
     next_id, counts = 0, dict.fromkeys(["hit", "noroom", "cow", "evict", "retained_hit"], 0)

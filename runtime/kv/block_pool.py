@@ -111,6 +111,11 @@ class BlockPool:
         """Unreferenced blocks that still hold a hash (reusable until evicted)."""
         return len(self._once) + len(self._reused)
 
+    @property
+    def num_cached_once(self) -> int:
+        """Cached blocks that no second sequence has used (evicted first)."""
+        return len(self._once)
+
     def oldest_cached(self) -> int | None:
         """The cached block the next eviction takes (see the module doc), or None."""
         return next(iter(self._once or self._reused), None)

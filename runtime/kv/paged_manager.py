@@ -39,7 +39,8 @@ Rules, each with its reason:
   `RetainedPrefix` id (the storage keeps that many tokens of it, `FreeEvent.retained_as`), until
   the pool evicts one of their blocks (the retained prefix is cut there, `SlotPlan.retained_ops`),
   or more than `retain_prefixes` of them exist (the least recently used goes), or more than
-  `retain_blocks` blocks are cached, i.e. held by retained prefixes alone. Then the pool's next
+  `retain_blocks` blocks are cached, i.e. held by retained prefixes alone (or more than
+  `retain_once_blocks` of those that no second sequence used). Then the pool's next
   victim goes, as if a sequence had taken it, and the retained prefixes holding it are cut there
   (`FreeEvent.dropped`); blocks that running sequences hold cost no extra storage and never count.
   The pool's eviction order (block_pool.py) takes blocks that no second sequence used before those
@@ -264,6 +265,10 @@ class PagedKVManager:
                            prefix longer than that alone keeps its head. For storages whose reads
                            cost grows with what they hold (llama.cpp's unified cache attends over
                            every cell, masked): cells that a running sequence holds are there anyway.
+    retain_once_blocks:    and at most this many of them that no second sequence used (None: only
+                           `retain_blocks`): 2Q's split (Johnson and Shasha: a quarter of the cache
+                           for blocks seen once), so prompts that nothing shares cost at most this,
+                           while prefixes that requests do share may use the rest.
     sliding_window:        the model attends to the last this many positions only; blocks behind
                            every future query's window are dropped (see the module doc).
     """
@@ -271,11 +276,12 @@ class PagedKVManager:
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
                  per_sequence_storage: bool = False, hash_fn: BlockHashFn = sha256_block_hash,
                  retain_prefixes: int = 0, retain_blocks: int | None = None,
-                 sliding_window: int | None = None):
+                 retain_once_blocks: int | None = None, sliding_window: int | None = None):
         if block_size < 1:
             raise UserError(f"block_size must be at least 1 token, got {block_size}; 16 is a common choice")
-        if retain_prefixes < 0 or (retain_blocks is not None and retain_blocks < 0):
-            raise UserError(f"retain_prefixes and retain_blocks must be >= 0, got {retain_prefixes} and {retain_blocks}")
+        if retain_prefixes < 0 or any(n is not None and n < 0 for n in (retain_blocks, retain_once_blocks)):
+            raise UserError(f"retain_prefixes, retain_blocks and retain_once_blocks must be >= 0, got "
+                            f"{retain_prefixes}, {retain_blocks} and {retain_once_blocks}")
         if sliding_window is not None and sliding_window < 1:
             raise UserError(f"sliding_window must be at least 1 token, got {sliding_window}")
         if sliding_window is not None and per_sequence_storage:
@@ -284,6 +290,7 @@ class PagedKVManager:
                             "a per-sequence storage (llama.cpp) keeps every cell of a sequence")
         self.sliding_window = sliding_window
         self.retain_blocks = retain_blocks
+        self.retain_once_blocks = retain_once_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.per_sequence_storage = per_sequence_storage
@@ -531,8 +538,8 @@ class PagedKVManager:
         (`BlockPool.oldest_cached`): cut every retained prefix that holds it at that block (their later
         blocks that no one else holds go with it), and drop one that another now starts with."""
         ops: list[TruncateEvent | FreeEvent] = []
-        while self.retain_blocks is not None and self.pool.num_cached > self.retain_blocks:
-            b = self.pool.oldest_cached()
+        while self._over_cap():
+            b = self.pool.oldest_cached()  # one used once, while any is cached
             assert self._coverage[b], f"cached block {b} is held by no retained prefix"
             for rid, table in list(self._retained.items()):
                 if b not in table:
@@ -542,6 +549,10 @@ class PagedKVManager:
                     keep = 0  # what would be left, another retained prefix holds too
                 ops.append(self._cut_retained(rid, keep))
         return ops
+
+    def _over_cap(self) -> bool:
+        return ((self.retain_blocks is not None and self.pool.num_cached > self.retain_blocks) or
+                (self.retain_once_blocks is not None and self.pool.num_cached_once > self.retain_once_blocks))
 
     def _registered_run(self, seq: _Seq) -> list[int]:
         """The leading blocks of `seq` that are the cache's own copy of their content: what a
