@@ -49,6 +49,7 @@ class ServingEngine:
                                       per_sequence_storage=executor.per_sequence_storage, hash_fn=sha256_block_hash,
                                       retain_prefixes=executor.retain_prefixes,
                                       retain_blocks=executor.retain_blocks,
+                                      retain_once_blocks=executor.retain_once_blocks,
                                       sliding_window=executor.sliding_window)
         self.scheduler = Scheduler(config.scheduler, self.manager, tokenizer, stop_ids, executor.batch_invariant,
                                    speculation, supports_swap=executor.supports_swap)

@@ -123,7 +123,10 @@ class LlamaSeqStorage:
             self.ctx.remove(d, num_tokens)
 
 
-DEFAULT_RETAIN_TOKENS = 512  # unified layout: tokens kept in retained prefixes unless --retain-tokens says
+DEFAULT_RETAIN_TOKENS = 512  # unified layout: tokens only retained prefixes keep, unless --retain-tokens says
+# ... of prompts no second request used; with those that one did, this many times as much (2Q: a
+# quarter of the cache for what was seen once). Four 512-token system prompts at the defaults.
+RETAIN_SHARED_FACTOR = 4
 
 
 class LlamaCppExecutor:
@@ -162,10 +165,14 @@ class LlamaCppExecutor:
         # Every token attends (masked) over the unified pool up to its highest used cell, so retained
         # cells cost every step compute, and more than their number: one kept high in the pool keeps
         # the attended extent there. Uncapped, bench/server.py's workloads ran at half speed after six
-        # runs (docs/SERVER.md); one system prompt's worth stays cheap.
+        # runs (docs/SERVER.md); one system prompt's worth stays cheap. The cap counts the cells only
+        # retained prefixes hold (PagedKVManager's `retain_blocks`): running requests' are there anyway.
+        # It holds for prompts that nothing shares; prefixes that a second request used may take
+        # RETAIN_SHARED_FACTOR times as much (2Q's split), since each hit saves a whole prefill.
         if retain_tokens is None and retain_prefixes:
             retain_tokens = DEFAULT_RETAIN_TOKENS
-        self.retain_blocks = None if retain_tokens is None else retain_tokens // block_size
+        self.retain_once_blocks = None if retain_tokens is None else retain_tokens // block_size
+        self.retain_blocks = None if retain_tokens is None else RETAIN_SHARED_FACTOR * retain_tokens // block_size
         num_slots = max_num_seqs + retain_prefixes
         self.ctx = LlamaContext(self.model, num_slots, max_model_len, unified=kv_unified, flash_attn=flash_attn,
                                 kv_dtype=kv_dtype, threads=threads, max_tokens=max_batch_tokens,

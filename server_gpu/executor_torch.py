@@ -28,6 +28,7 @@ class TorchExecutor:
     per_sequence_storage = False
     retain_prefixes = 0  # a block-tensor pool caches freed blocks by itself
     retain_blocks = None
+    retain_once_blocks = None
     batch_invariant = False  # padded shapes change with the batch, and so can the kernels' rounding
     supports_swap = False  # preemption recomputes
 

@@ -46,7 +46,7 @@ class ServeOptions:
     kv_unified: bool | None = None  # True: one cell pool the manager governs; False: one stream per sequence
     kv_cells: int | None = None
     retain_prefixes: int | None = None  # None: 64 with kv_unified, else 0
-    retain_tokens: int | None = None  # cap on the retained prefixes' tokens (None: DEFAULT_RETAIN_TOKENS)
+    retain_tokens: int | None = None  # cap on the tokens only retained prefixes hold (None: DEFAULT_RETAIN_TOKENS)
     flash_attn: bool | None = None
     kv_dtype: str | None = None
     # Each request's tokens exactly as `edgefinfer run` and as alone, whatever runs beside it (vLLM's

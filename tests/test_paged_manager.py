@@ -148,6 +148,10 @@ class Driver:
     def free(self, seq):
         event = self.m.free(seq)
         event.apply_to(self.storage)
+        if self.m.retain_prefixes and self.m.retain_blocks is not None:  # the caps hold after every free
+            assert self.m.stats().num_cached <= self.m.retain_blocks
+        if self.m.retain_prefixes and self.m.retain_once_blocks is not None:
+            assert self.m.pool.num_cached_once <= self.m.retain_once_blocks
         return event
 
 
@@ -371,28 +375,118 @@ def test_retained_prefixes_are_capped_least_recently_used_first():
 
 
 def test_retained_blocks_are_capped():
+    """`retain_blocks` caps the cached blocks, those only retained prefixes hold: past it the pool's next
+    victim goes (a freed sequence's tail first), cutting the retained prefixes that hold it there.
+    Blocks a running sequence holds cost no extra storage and do not count."""
     d = Driver(16, builtin_block_hash, per_sequence_storage=True, retain_prefixes=8, retain_blocks=3)
     m = d.m
-    d.allocate("a", [1] * 8 + [0])  # 2 blocks retained
-    m.mark_computed("a")
+
+    def done(seq, tokens):
+        d.allocate(seq, tokens)
+        m.mark_computed(seq)
+
+    done("a", [1] * 8 + [0])  # blocks 0, 1 retained, 2 (partial) freed empty
     a = d.free("a").retained_as
-    d.allocate("b", [2] * 4 + [0])  # 1 more: 3 in all, still within the cap
-    m.mark_computed("b")
+    done("b", [2] * 4 + [0])  # block 2 retained: 3 cached, within the cap
     b = d.free("b").retained_as
-    assert list(m.retained()) == [a, b]
-    d.allocate("c", [3] * 4 + [0])  # a 4th block: the least recently used prefix goes
-    m.mark_computed("c")
+    assert m.retained() == {a: (0, 1), b: (2,)} and m.pool.free_block_ids()[-3:] == [1, 0, 2]
+    done("c", [3] * 4 + [0])  # block 3: a 4th cached block; a's tail (1) goes, a keeps its head
     ev = d.free("c")
-    assert [op.seq_id for op in ev.dropped] == [a] and list(m.retained()) == [b, ev.retained_as]
     c = ev.retained_as
-    d.allocate("big", [4] * 16 + [0])  # 4 blocks alone: its first 3 stay (the tail goes first), the rest go
-    m.mark_computed("big")
-    big_blocks = list(m.block_table("big"))
-    big = d.free("big")
-    assert big.retained_tokens == 3 * BS and [op.seq_id for op in big.dropped] == [b, c]
-    assert list(m.retained()) == [big.retained_as] and list(m.retained()[big.retained_as]) == big_blocks[:3]
-    assert m.stats().num_cached == 3
+    assert [(type(op).__name__, op.seq_id, op.num_tokens) for op in ev.dropped] == [("TruncateEvent", a, 4)]
+    assert m.retained() == {a: (0,), b: (2,), c: (3,)} and m.stats().num_cached == 3
+    assert d.allocate("x", [2] * 4 + [9]).prefix_source == b  # x runs on b's block 2: it no longer counts
+    m.mark_computed("x")
+    done("dd", [5] * 8 + [0])
+    assert m.block_table("dd") == (4, 5, 6)
+    ev = d.free("dd")  # cached: 0, 3, then 5, 4: a's last block goes, b's block stays (x holds it)
+    assert [(type(op).__name__, op.seq_id) for op in ev.dropped] == [("FreeEvent", a)]
+    assert m.retained() == {b: (2,), c: (3,), ev.retained_as: (4, 5)} and m.stats().num_cached == 3
     check_invariants(d)
+    done("big", [4] * 16 + [0])  # 4 full blocks alone: its first 3 stay (the tail goes first), the rest go
+    big_blocks = m.block_table("big")
+    ev = d.free("big")
+    assert ev.retained_tokens == 3 * BS and m.retained() == {b: (2,), ev.retained_as: big_blocks[:3]}
+    assert m.stats().num_cached == 3 and m.pool.free_block_ids()[-3:] == list(big_blocks[2::-1])
+    check_invariants(d)
+
+
+def test_retained_system_prompts_outlive_the_requests_after_them():
+    """bench/server_scale.py's miss, small: chats over 3 system prompts with a retain budget that holds
+    the 3 prompts but not every chat's question and answer beside them. Each chat's unique tail must go
+    before any system prompt that a second chat used, so every later chat hits its whole system prompt.
+    (The budget used to count whole retained prefixes, tails included, least recently used first: a
+    system prompt was dropped at once when two others' chats finished after it.)"""
+    d = Driver(64, builtin_block_hash, per_sequence_storage=True, retain_prefixes=8, retain_blocks=6)
+    m = d.m
+    systems = [[10 * k + i for i in range(8)] for k in range(3)]  # 2 blocks each
+    chats = iter(range(100, 1000))
+
+    def chat(k: int) -> int:
+        """A chat: system prompt k, a one-block question and a one-block answer; prefix tokens reused."""
+        seq = next(chats)
+        plan = d.allocate(seq, systems[k] + [seq] * 4 + [0])
+        m.mark_computed(seq)
+        d.append(seq, [seq + 1000] * 4)
+        m.mark_computed(seq)
+        d.free(seq)
+        assert m.stats().num_cached <= 6
+        return plan.num_cached_tokens
+
+    assert [chat(k) for k in (0, 0, 1, 1, 2, 2)] == [0, 8, 0, 8, 0, 8]  # each prompt computed once
+    assert [chat(k) for k in (0, 1, 2) * 3] == [8] * 9
+    # Exactly the three system prompts stay, each once (the cut chats' prefixes were redundant).
+    assert sorted(m.retained().values()) == sorted(tuple(m.pool.lookup(h) for h in _hashes(d, s)) for s in systems)
+    assert all(m.pool.is_reused(b) for t in m.retained().values() for b in t)
+    check_invariants(d)
+
+
+def test_prompts_nothing_shares_get_the_smaller_cap():
+    """`retain_once_blocks` (2Q's split): blocks no second sequence used stay within it, while prefixes
+    that one did may fill `retain_blocks`; the once-used go first."""
+    d = Driver(64, builtin_block_hash, per_sequence_storage=True, retain_prefixes=16, retain_blocks=6,
+               retain_once_blocks=2)
+    m = d.m
+    for i in range(4):  # unique 2-block prompts: only the last one's 2 blocks stay
+        d.allocate(i, [i] * 8 + [99])
+        m.mark_computed(i)
+        d.free(i)
+    assert (m.stats().num_cached, m.pool.num_cached_once, len(m.retained())) == (2, 2, 1)
+    for k in range(3):  # shared 2-block prefixes, each used by two requests: 6 reused blocks stay
+        for q in (0, 1):
+            seq = f"s{k}{q}"
+            plan = d.allocate(seq, [10 + k] * 8 + [q])
+            assert plan.num_cached_tokens == 8 * q
+            m.mark_computed(seq)
+            d.free(seq)
+    assert (m.stats().num_cached, m.pool.num_cached_once) == (6, 0)
+    assert all(d.allocate(f"again{k}", [10 + k] * 8 + [5]).num_cached_tokens == 8 for k in range(3))
+    check_invariants(d)
+
+
+def _hashes(d: Driver, tokens: list[int]) -> list:
+    out, parent = [], None
+    for i in range(0, len(tokens), BS):
+        parent = d.hash(parent, tuple(tokens[i:i + BS]))
+        out.append(parent)
+    return out
+
+
+def test_pool_evicts_blocks_no_second_sequence_used_first():
+    """The free queue: empty blocks, then cached ones used once, then reused ones (a prefix hit
+    touched them while cached or held), each least recently used first and a sequence's tail first."""
+    d = Driver(8, builtin_block_hash)
+    m = d.m
+    d.allocate("a", P + [1])  # blocks 0, 1 (P) and 2
+    m.mark_computed("a")
+    assert d.allocate("b", P + [2]).block_ids == (0, 1, 3)  # a prefix hit: 0 and 1 are reused now
+    d.allocate("c", [7] * 8 + [3])  # blocks 4, 5 (used once) and 6
+    m.mark_computed("b"), m.mark_computed("c")
+    d.free("a"), d.free("b"), d.free("c")
+    assert m.pool.free_block_ids() == [6, 3, 2, 7, 5, 4, 1, 0]
+    assert [m.pool.is_reused(b) for b in (0, 1, 4, 5)] == [True, True, False, False]
+    assert d.allocate("d", [9] * 24).evicted_block_ids == (5, 4)  # after the empty 6, 3, 2, 7
+    assert m.pool.free_block_ids() == [1, 0] and m.pool.oldest_cached() == 1
 
 
 def test_prefix_caching_disabled_and_errors():
@@ -463,11 +557,13 @@ def check_invariants(d: Driver):
 
 
 @hash_fns
-@pytest.mark.parametrize("per_sequence_storage,retain", [(False, 0), (True, 0), (True, 3)],
-                         ids=["tensor_pool", "llama_seqs", "llama_retained"])
-def test_random_ops_keep_invariants(hash_fn, per_sequence_storage, retain):
+@pytest.mark.parametrize("per_sequence_storage,retain,retain_blocks",
+                         [(False, 0, None), (True, 0, None), (True, 3, None), (True, 3, 3)],
+                         ids=["tensor_pool", "llama_seqs", "llama_retained", "llama_retained_capped"])
+def test_random_ops_keep_invariants(hash_fn, per_sequence_storage, retain, retain_blocks):
     rng = random.Random(1234)
-    d = Driver(16, hash_fn, per_sequence_storage=per_sequence_storage, retain_prefixes=retain)
+    d = Driver(16, hash_fn, per_sequence_storage=per_sequence_storage, retain_prefixes=retain,
+               retain_blocks=retain_blocks, retain_once_blocks=retain_blocks and retain_blocks - 1)
     m = d.m
     prefixes = [[rng.randrange(4) for _ in range(12)] for _ in range(3)]
     next_id, counts = 0, dict.fromkeys(["hit", "noroom", "cow", "evict", "retained_hit"], 0)

@@ -29,11 +29,14 @@ class PagedKVMachine(RuleBasedStateMachine):
         self.counts = {"hit": 0, "cow": 0, "noroom": 0}
 
     @initialize(num_blocks=st.integers(3, 16), per_sequence_storage=st.booleans(), retain=st.sampled_from([0, 1, 3]),
+                retain_blocks=st.sampled_from([None, 0, 2, 5]), retain_once=st.sampled_from([None, 0, 1, 3]),
                 window=st.sampled_from([None, None, 5, 9]))
-    def pool(self, num_blocks: int, per_sequence_storage: bool, retain: int, window: int | None) -> None:
+    def pool(self, num_blocks: int, per_sequence_storage: bool, retain: int, retain_blocks: int | None,
+             retain_once: int | None, window: int | None) -> None:
         window = None if per_sequence_storage else window  # a sliding window needs a block pool
         self.d = Driver(num_blocks, builtin_block_hash, per_sequence_storage=per_sequence_storage,
-                        retain_prefixes=retain, sliding_window=window)
+                        retain_prefixes=retain, retain_blocks=retain_blocks, retain_once_blocks=retain_once,
+                        sliding_window=window)
         self.m = self.d.m
         self.window = window
 

@@ -44,9 +44,11 @@ from edgefinfer.errors import UserError
               help="Unified layout: finished requests' prompts kept in the pool for later prefix hits, until "
                    "their blocks are needed (default 64; 0 = off).")
 @click.option("--retain-tokens", type=click.IntRange(0), default=None,
-              help="Unified layout: at most this many tokens in retained prefixes (llama.cpp attends over every "
-                   "cell of the pool, masked, so kept cells cost every step some compute; default 512, one system "
-                   "prompt; a longer prefix keeps its head).")
+              help="Unified layout: at most this many tokens that only retained prefixes hold, beyond what "
+                   "running requests hold, of prompts no second request used; 4 times as many with prefixes that "
+                   "one did (llama.cpp attends over every cell of the pool, masked, so kept cells cost every "
+                   "step some compute; default 512, one unshared prompt or four shared system prompts). Past it, "
+                   "requests' own questions and answers go first, then the least recently used.")
 @click.option("--preemption", type=click.Choice(["recompute", "swap"]), default="recompute", show_default=True,
               help="When KV blocks run out: recompute the victim later, or park its KV in host memory (llama.cpp "
                    "with --kv-layout per-slot; restores it exactly).")

@@ -14,6 +14,17 @@ released to the tail in the order the caller gives, so the least recently freed 
 first; empty blocks go to the head instead, because reusing them destroys nothing. (vLLM v1 sends
 every freed block to the tail; placing empty ones at the head only spares cached blocks.)
 
+Cached blocks that no second sequence has used since they were computed (a request's own question
+and answer) are evicted before those that one has (a shared system prompt): a block becomes *reused*
+when `touch` takes a reference to it while it holds a hash (a prefix hit, a fork). Without that a
+finished request's unique tail, the most recently used block, pushes out a system prompt that the
+next request would hit, whenever the cache is small against the traffic (a retained-prefix budget).
+This is the two-queue idea of 2Q (Johnson and Shasha, 1994) and SGLang's LFU radix eviction cut to
+two classes; within a class the order stays vLLM's LRU, so a stale system prompt still ages out.
+A block's parent is used whenever it is and released no earlier, so no block is evicted before a
+block that extends it. So the queue is every empty block, then the cached ones used once, then the
+reused ones, each least recently used first; `oldest_cached` is the one the next eviction takes.
+
 Content hashes chain: a full block's hash covers its parent block's hash and its own token ids, so
 equal hashes mean equal prefixes, and a block is reused only at the same block index it was
 computed at, which keeps its positions (and RoPE) valid.
@@ -77,25 +88,41 @@ class BlockPool:
         self._ref_counts = [0] * num_blocks
         self._hashes: list[BlockHash | None] = [None] * num_blocks
         self._hash_to_block: dict[BlockHash, int] = {}
-        # Ordered set of blocks with ref_count 0; the first key is evicted first. OrderedDict gives
-        # O(1) pop-front, push-back, push-front and removal from the middle (a prefix hit).
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self._num_cached = 0  # blocks in _free that hold a hash; kept so stats() is O(1)
+        # The free queue as two ordered sets of blocks with ref_count 0, taken from the head: the empty
+        # ones, then the cached ones (least recently used first). OrderedDict gives O(1) pop-front,
+        # push-back, push-front and removal from the middle (a prefix hit).
+        self._empty: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._once: OrderedDict[int, None] = OrderedDict()  # cached, never reused
+        self._reused: OrderedDict[int, None] = OrderedDict()  # cached, touched while hashed
+        self._is_reused = [False] * num_blocks  # since its hash was registered
 
     # ---------------------------------------------------------------- queries
     @property
     def num_free(self) -> int:
         """Blocks an allocation can take: empty ones and cached ones (taking those evicts them)."""
-        return len(self._free)
+        return len(self._empty) + len(self._once) + len(self._reused)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free
 
     @property
     def num_cached(self) -> int:
         """Unreferenced blocks that still hold a hash (reusable until evicted)."""
-        return self._num_cached
+        return len(self._once) + len(self._reused)
+
+    @property
+    def num_cached_once(self) -> int:
+        """Cached blocks that no second sequence has used (evicted first)."""
+        return len(self._once)
+
+    def oldest_cached(self) -> int | None:
+        """The cached block the next eviction takes (see the module doc), or None."""
+        return next(iter(self._once or self._reused), None)
+
+    def is_reused(self, block_id: int) -> bool:
+        """Whether a second sequence took this block since it was registered (see the module doc)."""
+        return self._is_reused[block_id]
 
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
@@ -109,7 +136,7 @@ class BlockPool:
 
     def free_block_ids(self) -> list[int]:
         """Blocks with ref_count 0 in the order they would be taken (the eviction order)."""
-        return list(self._free)
+        return [*self._empty, *self._once, *self._reused]
 
     def cached_items(self) -> list[tuple[BlockHash, int]]:
         """Every (hash, block) registration, used and cached."""
@@ -122,12 +149,13 @@ class BlockPool:
         Returns (blocks, evicted): `evicted` lists, in order, the taken blocks that were cached and
         have just lost their hash entry (their old contents are dead).
         """
-        assert n <= len(self._free), f"take({n}) with {len(self._free)} free blocks"
+        assert n <= self.num_free, f"take({n}) with {self.num_free} free blocks"
         blocks, evicted = [], []
         for _ in range(n):
-            b, _ = self._free.popitem(last=False)
-            if self._hashes[b] is not None:
-                self._num_cached -= 1
+            if self._empty:
+                b, _ = self._empty.popitem(last=False)
+            else:
+                b, _ = (self._once or self._reused).popitem(last=False)
                 self.unregister(b)
                 evicted.append(b)
             self._ref_counts[b] = 1
@@ -138,8 +166,9 @@ class BlockPool:
         """Add a reference to each block (a prefix hit or a fork); cached blocks leave the queue."""
         for b in block_ids:
             if self._ref_counts[b] == 0:
-                del self._free[b]
-                self._num_cached -= self._hashes[b] is not None
+                del self._queue_of(b)[b]
+            if self._hashes[b] is not None:
+                self._is_reused[b] = True
             self._ref_counts[b] += 1
 
     def release(self, block_ids: Sequence[int]) -> list[int]:
@@ -160,12 +189,11 @@ class BlockPool:
             if self._hashes[b] is None:
                 emptied.append(b)
             else:
-                self._free[b] = None
-                self._num_cached += 1
+                self._queue_of(b)[b] = None
                 kept.append(b)
         for b in reversed(emptied):
-            self._free[b] = None
-            self._free.move_to_end(b, last=False)
+            self._empty[b] = None
+            self._empty.move_to_end(b, last=False)
         return kept
 
     def register(self, block_id: int, block_hash: BlockHash) -> bool:
@@ -192,14 +220,23 @@ class BlockPool:
             f"block {block_id} is not cached"
         block_hash = self._hashes[block_id]
         del self._hash_to_block[block_hash]
+        del self._queue_of(block_id)[block_id]
         self._hashes[block_id] = None
-        self._num_cached -= 1
-        self._free.move_to_end(block_id, last=False)
+        self._is_reused[block_id] = False
+        self._empty[block_id] = None
+        self._empty.move_to_end(block_id, last=False)
 
     def unregister(self, block_id: int) -> None:
         """Drop the hash entry of a block that is in use or was just taken (its contents change)."""
         block_hash = self._hashes[block_id]
         assert block_hash is not None, f"block {block_id} is not registered"
-        assert block_id not in self._free, f"block {block_id} is cached; take it instead of unregistering"
+        assert block_id not in self._queue_of(block_id), f"block {block_id} is cached; take it instead of unregistering"
         del self._hash_to_block[block_hash]
         self._hashes[block_id] = None
+        self._is_reused[block_id] = False
+
+    def _queue_of(self, block_id: int) -> OrderedDict[int, None]:
+        """The part of the free queue a block with ref_count 0 belongs in, by its state."""
+        if self._hashes[block_id] is None:
+            return self._empty
+        return self._reused if self._is_reused[block_id] else self._once

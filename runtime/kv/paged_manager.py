@@ -37,12 +37,22 @@ Rules, each with its reason:
 - With a per-sequence storage, a prefix outlives its request only as a *retained prefix*
   (`retain_prefixes` > 0): a freed sequence's leading cached blocks stay in storage under a
   `RetainedPrefix` id (the storage keeps that many tokens of it, `FreeEvent.retained_as`), until
-  the pool evicts one of their blocks (the retained prefix is cut there, `SlotPlan.retained_ops`)
-  or more than `retain_prefixes` of them, or of `retain_blocks` blocks, exist (the least recently
-  used goes). A retained prefix that another one starts with is dropped at once. So every cached
-  block is held by a retained prefix and every block of a retained prefix is cached or in use: the
-  manager's free count stays the storage's real free memory, which is what lets llama.cpp's
-  unified cell pool be sized and admitted by the manager alone.
+  the pool evicts one of their blocks (the retained prefix is cut there, `SlotPlan.retained_ops`),
+  or more than `retain_prefixes` of them exist (the least recently used goes), or more than
+  `retain_blocks` blocks are cached, i.e. held by retained prefixes alone (or more than
+  `retain_once_blocks` of those that no second sequence used). Then the pool's next
+  victim goes, as if a sequence had taken it, and the retained prefixes holding it are cut there
+  (`FreeEvent.dropped`); blocks that running sequences hold cost no extra storage and never count.
+  The pool's eviction order (block_pool.py) takes blocks that no second sequence used before those
+  that one did, each least recently used first and a freed sequence's tail first: the question and
+  answer after a shared system prompt go before it, and a system prompt that requests hit is not
+  pushed out by the tails of the requests that finish after it. (The cap used to count whole
+  prefixes, tails and running sequences' blocks included, and to drop the least recently used prefix
+  whole: replayed through the scheduler, bench/server_scale.py's replica with three system prompts
+  lost one that way about once a run.) A retained prefix that another one starts with is dropped at once. So
+  every cached block is held by a retained prefix and every block of a retained prefix is cached or
+  in use: the manager's free count stays the storage's real free memory, which is what lets
+  llama.cpp's unified cell pool be sized and admitted by the manager alone.
 - With a sliding window of W tokens (`sliding_window`, Mistral's rule: a query at position q sees
   q-W+1 .. q), `append` first drops the blocks that lie wholly before the window of its first new
   token (vLLM's `remove_skipped_blocks`): their block-table entries become `NULL_BLOCK`, and the
@@ -186,9 +196,9 @@ class TruncateEvent:
 class FreeEvent:
     """`seq_id` is gone; `block_ids` was its table, `cached_block_ids` stayed in the prefix cache.
 
-    With retained prefixes: `dropped` are retained prefixes this made redundant or pushed out (the
-    storage drops them first), and `retained_as`, when set, keeps the first `retained_tokens`
-    tokens of `seq_id` in storage under that id.
+    With retained prefixes: `retained_as`, when set, keeps the first `retained_tokens` tokens of
+    `seq_id` in storage under that id, and `dropped` drops or cuts the other retained prefixes this
+    made redundant or pushed out (over `retain_prefixes` or `retain_blocks`), after that.
     """
 
     seq_id: SeqId
@@ -196,7 +206,7 @@ class FreeEvent:
     cached_block_ids: tuple[int, ...]
     retained_as: RetainedPrefix | None = None
     retained_tokens: int = 0
-    dropped: tuple[FreeEvent, ...] = ()
+    dropped: tuple[TruncateEvent | FreeEvent, ...] = ()
 
     def apply_to(self, storage: KVStorage) -> None:
         if self.retained_as is not None:
@@ -250,10 +260,15 @@ class PagedKVManager:
     hash_fn:               the chained block hash; `sha256_block_hash` or `builtin_block_hash`.
     retain_prefixes:       with `per_sequence_storage`, how many freed sequences' cached prefixes
                            the storage keeps (see the module doc); 0 keeps none.
-    retain_blocks:         at most this many distinct blocks in retained prefixes (None: no limit
-                           but the pool); a prefix longer than that alone keeps its head. For
-                           storages whose reads cost grows with what they hold (llama.cpp's unified
-                           cache attends over every cell, masked).
+    retain_blocks:         at most this many cached blocks, those that only retained prefixes hold
+                           (None: no limit but the pool); past it the pool's next victims go, and a
+                           prefix longer than that alone keeps its head. For storages whose reads
+                           cost grows with what they hold (llama.cpp's unified cache attends over
+                           every cell, masked): cells that a running sequence holds are there anyway.
+    retain_once_blocks:    and at most this many of them that no second sequence used (None: only
+                           `retain_blocks`): 2Q's split (Johnson and Shasha: a quarter of the cache
+                           for blocks seen once), so prompts that nothing shares cost at most this,
+                           while prefixes that requests do share may use the rest.
     sliding_window:        the model attends to the last this many positions only; blocks behind
                            every future query's window are dropped (see the module doc).
     """
@@ -261,11 +276,12 @@ class PagedKVManager:
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
                  per_sequence_storage: bool = False, hash_fn: BlockHashFn = sha256_block_hash,
                  retain_prefixes: int = 0, retain_blocks: int | None = None,
-                 sliding_window: int | None = None):
+                 retain_once_blocks: int | None = None, sliding_window: int | None = None):
         if block_size < 1:
             raise UserError(f"block_size must be at least 1 token, got {block_size}; 16 is a common choice")
-        if retain_prefixes < 0 or (retain_blocks is not None and retain_blocks < 0):
-            raise UserError(f"retain_prefixes and retain_blocks must be >= 0, got {retain_prefixes} and {retain_blocks}")
+        if retain_prefixes < 0 or any(n is not None and n < 0 for n in (retain_blocks, retain_once_blocks)):
+            raise UserError(f"retain_prefixes, retain_blocks and retain_once_blocks must be >= 0, got "
+                            f"{retain_prefixes}, {retain_blocks} and {retain_once_blocks}")
         if sliding_window is not None and sliding_window < 1:
             raise UserError(f"sliding_window must be at least 1 token, got {sliding_window}")
         if sliding_window is not None and per_sequence_storage:
@@ -274,6 +290,7 @@ class PagedKVManager:
                             "a per-sequence storage (llama.cpp) keeps every cell of a sequence")
         self.sliding_window = sliding_window
         self.retain_blocks = retain_blocks
+        self.retain_once_blocks = retain_once_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.per_sequence_storage = per_sequence_storage
@@ -489,11 +506,18 @@ class PagedKVManager:
             # Prefixes the new one starts with are redundant; then the least recently used go.
             dropped += [self._cut_retained(r, 0) for r, t in list(self._retained.items())
                         if r != retained_as and run[:len(t)] == t]
-            while self._retained and (len(self._retained) > self.retain_prefixes or
-                                      (self.retain_blocks is not None and len(self._coverage) > self.retain_blocks)):
+            while len(self._retained) > self.retain_prefixes:
                 dropped.append(self._cut_retained(next(iter(self._retained)), 0))
-        cached = self._forget_unheld(cached)
-        kept_tokens = len(run) * self.block_size if retained_as is not None else 0
+        self._forget_unheld(cached)
+        dropped += self._evict_over_cap()
+        kept_tokens = 0
+        if retained_as in self._retained:  # (the cap may have cut it too)
+            kept_tokens = len(self._retained[retained_as]) * self.block_size
+        if retained_as is not None:  # the storage keeps it at its final length at once
+            dropped = [op for op in dropped if op.seq_id != retained_as]
+            if retained_as not in self._retained:  # the cap took all of it: nothing is kept after all
+                retained_as = None
+        cached = [b for b in cached if self.pool.block_hash(b) is not None and not self.pool.ref_count(b)]
         return FreeEvent(seq_id, tuple(seq.block_ids), tuple(cached), retained_as, kept_tokens, tuple(dropped))
 
     # ---------------------------------------------------------------- internals
@@ -508,6 +532,27 @@ class PagedKVManager:
                 if b in table:
                     ops.append(self._cut_retained(rid, table.index(b)))
         return new, evicted, tuple(ops)
+
+    def _evict_over_cap(self) -> list[TruncateEvent | FreeEvent]:
+        """While more than `retain_blocks` blocks are cached, evict the pool's next victim
+        (`BlockPool.oldest_cached`): cut every retained prefix that holds it at that block (their later
+        blocks that no one else holds go with it), and drop one that another now starts with."""
+        ops: list[TruncateEvent | FreeEvent] = []
+        while self._over_cap():
+            b = self.pool.oldest_cached()  # one used once, while any is cached
+            assert self._coverage[b], f"cached block {b} is held by no retained prefix"
+            for rid, table in list(self._retained.items()):
+                if b not in table:
+                    continue
+                keep = table.index(b)
+                if keep and any(r != rid and t[:keep] == table[:keep] for r, t in self._retained.items()):
+                    keep = 0  # what would be left, another retained prefix holds too
+                ops.append(self._cut_retained(rid, keep))
+        return ops
+
+    def _over_cap(self) -> bool:
+        return ((self.retain_blocks is not None and self.pool.num_cached > self.retain_blocks) or
+                (self.retain_once_blocks is not None and self.pool.num_cached_once > self.retain_once_blocks))
 
     def _registered_run(self, seq: _Seq) -> list[int]:
         """The leading blocks of `seq` that are the cache's own copy of their content: what a
