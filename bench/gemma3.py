@@ -23,6 +23,9 @@ Writes bench/results/gemma3.json:
   GGUF stored above 4 bits at int8) in eager torch, each held-out domain, with the float zero point's grid
   chosen two ways: the group's range (min-max) and the least-squares search (`least_squares_grid`, the
   default), which finds the Q4_K sub-block grids these weights sit on;
+- `speed` (--speed): decode and prefill of each bundle on its runtime beside onnxruntime-genai's own int4
+  build and llama.cpp on the PyPI file, 1 and 2 threads, each row with its perplexity change against the
+  float model (the peers' measured on the same held-out text; `genai_builder` names the builder used);
 - `import.max_abs_err_vs_float64`: our float32 import against the same model in float64 (what float32
   arithmetic alone moves), beside llama.cpp's distance from it.
 The weights come from a Q4_K grid (Q4_K_M: 4-bit super-blocks with 6-bit scales and minima), so every
@@ -323,24 +326,72 @@ def bundle_path(row: dict, args) -> Path:
     return path
 
 
-def check_speed(folder: Path, gguf: Path, bundles: list[dict], tok, args) -> dict:
+def genai_peer(folder: Path, work: Path) -> tuple[Path, dict]:
+    """onnxruntime-genai's int4 model of `folder` (its builder's defaults for the CPU: RTN, block 32,
+    int8 activations in MatMulNBits) and what built it. The pinned builder first; where it cannot read the
+    model under transformers 5 (Gemma 3: bench/peers.py says why), the builder of onnxruntime-genai's last
+    transformers-4 release in a side environment. Either model runs on the pinned onnxruntime-genai."""
+    from importlib import metadata
+
+    from onnx_vs_genai import genai_int4
+    from peers import GENAI_BUILDER, genai_builder_python
+
+    pinned = {name: metadata.version(name) for name in ("onnxruntime-genai", "transformers")}
+    try:
+        return genai_int4(folder, work), pinned
+    except RuntimeError as e:
+        failed = str(e).strip().splitlines()[-1]
+    print(f"[gemma3] onnxruntime-genai {pinned['onnxruntime-genai']}'s builder failed ({failed}); building with "
+          f"onnxruntime-genai {GENAI_BUILDER['onnxruntime-genai']}'s", file=sys.stderr, flush=True)
+    built = genai_int4(folder, work, genai_builder_python(), f"genai-int4-builder-{GENAI_BUILDER['onnxruntime-genai']}")
+    return built, {**GENAI_BUILDER, "pinned_builder_failed":
+                   f"onnxruntime-genai {pinned['onnxruntime-genai']} + transformers {pinned['transformers']}: {failed}"}
+
+
+def peer_quality(genai: Path | None, gguf: Path, tok, float_ppl: dict, args) -> dict[str, dict]:
+    """The peers' perplexity on the bundles' held-out text and windows (heldout_ppl): onnxruntime-genai's
+    graph in an ONNX Runtime session (OrtBackend reads a model-builder folder; the generator runs the same
+    graph on the same kernels, and returns no logits for a whole window), the PyPI file through our llama.cpp
+    backend, as the gpu-server bundle's figures are measured."""
+    from edgefinfer.runtime.backends.llamacpp import LlamaCppBackend
+    from edgefinfer.runtime.backends.ort import OrtBackend
+
+    out = {}
+    for name, backend in (("genai", genai and OrtBackend(genai, threads=args.threads, max_seq_len=2 * args.window)),
+                          ("llamacpp", LlamaCppBackend(gguf, n_ctx=2 * args.window, threads=args.threads))):
+        if not backend:
+            continue
+
+        def logits_fn(tokens, backend=backend):
+            backend.reset()
+            return backend.forward(tokens[0].tolist(), 0)[None]
+
+        ppl = heldout_ppl(logits_fn, tok, args.tokens, args.window)
+        out[name] = {"ppl": ppl, "ppl_delta_pct": {s: round(100 * (ppl[s] / float_ppl[s] - 1), 2) for s in ppl}}
+        print(f"[gemma3] {name} perplexity {json.dumps(out[name])}", file=sys.stderr, flush=True)
+    return out
+
+
+def check_speed(folder: Path, gguf: Path, bundles: list[dict], tok, float_ppl: dict, args) -> dict:
     """Decode and prefill of each bundle on its runtime against the peers on the same model, each engine
     in its own process (bench/runtime.py's children), interleaved rounds at 1 and 2 threads: the .onnx
     against onnxruntime-genai's own int4 build, the .gguf against llama.cpp (llama-cpp-python at its
-    defaults) on the PyPI Q4_K_M file, the .pte beside both."""
+    defaults) on the PyPI Q4_K_M file, the .pte beside both. Each row carries its engine's perplexity
+    change against the float model on the held-out domains (the bundles' from `bundles`, the peers'
+    measured here), since the recipes differ."""
     import statistics
 
     from edgefinfer.files.user_cache import cache_dir
     from edgefinfer.data.corpora import load_text
-    from onnx_vs_genai import genai_int4
     from runtime import measure
 
     work = cache_dir() / "bench" / "gemma3"
     try:
-        genai, genai_refused = genai_int4(folder, work), None
+        (genai, genai_builder), genai_refused = genai_peer(folder, work), None
     except RuntimeError as e:  # a peer that cannot build the model is a result too: say why, measure the rest
-        genai, genai_refused = None, str(e).strip().splitlines()[-1]
+        genai, genai_builder, genai_refused = None, None, str(e).strip().splitlines()[-1]
         print(f"[gemma3] onnxruntime-genai's builder failed: {genai_refused}", file=sys.stderr, flush=True)
+    quality = peer_quality(genai, gguf, tok, float_ppl, args)
     prompt_file = work / "prompt.json"
     prompt_file.write_text(json.dumps(tok.encode(load_text("test"))[:128]))
     kinds = {"android": "executorch", "linux-x86_64": "onnxruntime", "gpu-server": "llamacpp"}
@@ -348,6 +399,8 @@ def check_speed(folder: Path, gguf: Path, bundles: list[dict], tok, args) -> dic
                for b in bundles if "path" in b]
     engines += [("onnxruntime-genai int4 (its builder)", "genai", "onnxruntime", genai)] if genai else []
     engines += [("llama.cpp Q4_K_M (the PyPI file)", "llamacpp", "llamacpp", gguf)]
+    delta = {f"edgefinfer {b['target']} ({b['recipe']})": b["ppl_delta_pct"] for b in bundles if "ppl_delta_pct" in b}
+    delta.update({name: quality[child]["ppl_delta_pct"] for name, child, *_ in engines if child in quality})
     rows = []
     for threads in (1, 2):
         runs: dict[str, list[dict]] = {name: [] for name, *_ in engines}
@@ -362,9 +415,16 @@ def check_speed(folder: Path, gguf: Path, bundles: list[dict], tok, args) -> dic
             rows.append({"engine": name, "threads": threads, "decode_tok_s": statistics.median(decode),
                          "decode_range": [min(decode), max(decode)], "prefill_tok_s": statistics.median(prefill),
                          "prefill_range": [min(prefill), max(prefill)],
-                         "peak_rss_mb": max(g.get("rss_mb") or 0 for g in got)})
+                         "peak_rss_mb": max(g.get("rss_mb") or 0 for g in got),
+                         "ppl_delta_pct": delta.get(name)})
+    for row in rows:
+        d = row["ppl_delta_pct"] or {}
+        print(f"{row['engine']:<42} {row['threads']} thr  decode {row['decode_tok_s']:6.1f} tok/s  prefill "
+              f"{row['prefill_tok_s']:6.1f} tok/s  ppl vs float %: {' '.join(f'{k} {v:+.2f}' for k, v in d.items())}",
+              flush=True)
     return {"prompt_tokens": 128, "decode_tokens": 64, "rounds": args.rounds, "rows": rows,
-            "genai_builder_failed": genai_refused}
+            "genai_builder": genai_builder, "genai_builder_failed": genai_refused,
+            "peer_quality": quality}
 
 
 def check_bundle(target: str, folder: Path, out: Path, float_ppl: dict, args) -> dict:
@@ -439,7 +499,8 @@ def main() -> None:
     gguf = reference.gguf_path("gemma3-270m")
     model, tok = load_model(folder), Tokenizer.from_dir(folder)
     result = {"command": "python bench/gemma3.py " + " ".join(sys.argv[1:]), "machine": machine(),
-              "versions": versions("executorch", "onnxruntime", "llama_cpp_python", "transformers"),
+              "versions": versions("executorch", "onnxruntime", "onnxruntime-genai", "llama_cpp_python",
+                                   "transformers"),
               "model": {"name": "gemma3-270m", "config": model.config.to_hf(), "gguf": str(gguf.name),
                         "weights_grid": "Q4_K_M (llama.cpp k-quants), dequantized to float32 on import"}}
     out = Path(__file__).parent / "results" / f"{args.out}{'-quick' if args.quick else ''}.json"
@@ -478,7 +539,7 @@ def main() -> None:
                 print(json.dumps(row, indent=1), flush=True)
                 save()
             if args.speed:
-                result["speed"] = check_speed(folder, gguf, result["bundles"], tok, args)
+                result["speed"] = check_speed(folder, gguf, result["bundles"], tok, float_ppl, args)
                 save()
             if args.fzp_search:
                 result["fzp_search"] = check_fzp_search(model, folder, tok, float_ppl, args)

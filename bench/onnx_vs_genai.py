@@ -50,10 +50,11 @@ def build_ours(hf_dir: Path, out: Path, block_size: int) -> float:
     return time.perf_counter() - t0
 
 
-def build_genai(hf_dir: Path, out: Path, block_size: int, cache: Path) -> float:
-    """onnxruntime-genai's builder (its `--help` crashes in 0.18.0; the command itself works)."""
+def build_genai(hf_dir: Path, out: Path, block_size: int, cache: Path, python: Path | None = None) -> float:
+    """onnxruntime-genai's builder (its `--help` crashes in 0.18.0; the command itself works), run by
+    `python` (default: this interpreter; bench/peers.py's side environment for Gemma 3)."""
     t0 = time.perf_counter()
-    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_dir), "-o", str(out),
+    cmd = [str(python or sys.executable), "-m", "onnxruntime_genai.models.builder", "-i", str(hf_dir), "-o", str(out),
            "-p", "int4", "-e", "cpu", "-c", str(cache), "--extra_options", f"int4_block_size={block_size}"]
     proc = subprocess.run(cmd, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True)
     if proc.returncode != 0 or not (out / "model.onnx").is_file():
@@ -61,12 +62,13 @@ def build_genai(hf_dir: Path, out: Path, block_size: int, cache: Path) -> float:
     return time.perf_counter() - t0
 
 
-def genai_int4(hf_dir: Path, work: Path) -> Path:
-    """onnxruntime-genai's own int4 model (block 32) of `hf_dir` in work/genai-int4, built once."""
-    out = work / "genai-int4"
+def genai_int4(hf_dir: Path, work: Path, python: Path | None = None, name: str = "genai-int4") -> Path:
+    """onnxruntime-genai's own int4 model (block 32) of `hf_dir` in work/`name`, built once by the
+    builder `python` runs (default: this interpreter's)."""
+    out = work / name
     if not (out / "genai_config.json").is_file():
         print(f"[bench] building onnxruntime-genai's int4 model of {hf_dir.name} ...", file=sys.stderr, flush=True)
-        build_genai(hf_dir, out, 32, work / "genai-cache")
+        build_genai(hf_dir, out, 32, work / "genai-cache", python)
     return out
 
 

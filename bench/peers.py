@@ -3,12 +3,23 @@
     python bench/peers.py llama-server                  # prints the binary's path, building it if needed
     python bench/peers.py llama-server -DGGML_CUDA=ON   # a CUDA build (bench/server_gpu.sh), cached apart
     python bench/peers.py llama-imatrix llama-quantize  # llama.cpp's importance matrix and quantizer tools
+    python bench/peers.py genai-builder                 # onnxruntime-genai's model builder for Gemma 3 (below)
 
 llama-cpp-python's sdist carries llama.cpp's full source (vendor/llama.cpp); building `llama-server`
 from it with the same ggml flags as our wheel (the Makefile's CMAKE_ARGS) gives the peer the very
 kernels our server calls, so a serving comparison measures the servers, not two builds of ggml.
 The binary lives outside the repository, in ~/.cache/edgefinfer/peers/llama.cpp-<version>-<flags>/,
 and is reused. The first build takes about 6 minutes on 2 cores (download, configure, ~150 objects).
+
+onnxruntime-genai's model builder for Gemma 3 runs in a side environment (`genai_builder_python`): the
+pinned onnxruntime-genai's builder (0.18, written against transformers 5) reads Gemma 3's RoPE as one flat
+`rope_parameters` and `config.rope_local_base_freq`, but transformers 5's Gemma3TextConfig keeps one
+`rope_parameters` per layer type and drops `rope_local_base_freq`, so that builder stops on
+`KeyError: 'rope_type'` whichever transformers 5 is installed (and it imports transformers-5-only classes,
+so an older transformers cannot stand in under it). onnxruntime-genai 0.14 is its last release whose
+tests ran on transformers 4 (`transformers<5.0.0`); its builder reads Gemma 3's 4.x config as written.
+So the builder comes from GENAI_BUILDER's pins, in ~/.cache/edgefinfer/peers/genai-builder-<pins>/,
+and the model it writes runs on the pinned onnxruntime-genai's runtime, like any other genai model.
 """
 
 from __future__ import annotations
@@ -29,6 +40,12 @@ LLAMA_CPP_PYTHON = "0.3.36"  # pyproject.toml's pin
 GGML_FLAGS = ("-DGGML_NATIVE=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
               "-DLLAMA_BUILD_SERVER=ON", "-DBUILD_SHARED_LIBS=OFF")
 CACHE = Path(os.environ.get("EDGEFINFER_PEERS", Path.home() / ".cache" / "edgefinfer" / "peers"))
+# onnxruntime-genai's builder for models its current builder cannot read under transformers 5 (Gemma 3):
+# its last transformers-4 release and the transformers 4 line's last release, with what that transformers
+# needs below the versions we run. torch, onnx, onnxruntime, safetensors and numpy come from this
+# environment (the side environment reads our site-packages after its own).
+GENAI_BUILDER = {"onnxruntime-genai": "0.14.1", "transformers": "4.57.6", "huggingface-hub": "0.36.2",
+                 "tokenizers": "0.22.2"}
 
 
 def build_dir(extra_flags: tuple[str, ...] = ()) -> Path:
@@ -89,6 +106,34 @@ def llama_tools(names: tuple[str, ...], extra_flags: tuple[str, ...] = (), jobs:
     return binaries
 
 
+def genai_builder_python() -> Path:
+    """The interpreter of a side environment holding GENAI_BUILDER's pins over this environment's
+    packages; created on first use (about 20 s: four wheels from the package index or pip's cache)."""
+    import site
+    import sysconfig
+
+    tag = hashlib.sha256(repr(sorted(GENAI_BUILDER.items())).encode()).hexdigest()[:8]
+    env = CACHE / f"genai-builder-{GENAI_BUILDER['onnxruntime-genai']}-{tag}"
+    python, done = env / "bin" / "python", env / "pins.txt"
+    pins = [f"{name}=={version}" for name, version in GENAI_BUILDER.items()]
+    if done.is_file() and done.read_text().split() == pins:
+        return python
+    _log(f"creating {env.name}: {' '.join(pins)} over this environment's torch and onnxruntime")
+    shutil.rmtree(env, ignore_errors=True)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True)
+    purelib = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                  check=True, capture_output=True, text=True).stdout.strip())
+    # ours after its own: every site-packages folder this interpreter reads (a venv may chain to another
+    # through a .pth file, which the side environment would not follow), and no source checkout
+    ours = dict.fromkeys(p for p in [sysconfig.get_paths()["purelib"], *site.getsitepackages(), *sys.path]
+                         if p.endswith("site-packages") and Path(p).is_dir())
+    (purelib / "zz-edgefinfer-env.pth").write_text("".join(f"{p}\n" for p in ours))
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", *pins],
+                   check=True)
+    done.write_text("\n".join(pins) + "\n")  # written last: a half-made environment is made again
+    return python
+
+
 def _installed() -> bool:
     try:
         metadata.version("llama-cpp-python")
@@ -99,8 +144,12 @@ def _installed() -> bool:
 
 if __name__ == "__main__":
     # python bench/peers.py TOOL [TOOL ...] [-DFLAG=VALUE ...]   extra CMake flags, e.g. -DGGML_CUDA=ON
+    if sys.argv[1:] == ["genai-builder"]:
+        print(genai_builder_python())
+        sys.exit()
     tools = tuple(a for a in sys.argv[1:] if not a.startswith("-D"))
     if not tools or not all(t.startswith("llama-") for t in tools):
-        sys.exit("usage: python bench/peers.py llama-server [llama-imatrix ...] [-DCMAKE_FLAG=VALUE ...]")
+        sys.exit("usage: python bench/peers.py llama-server [llama-imatrix ...] [-DCMAKE_FLAG=VALUE ...]\n"
+                 "       python bench/peers.py genai-builder")
     for path in llama_tools(tools, tuple(a for a in sys.argv[1:] if a.startswith("-D"))).values():
         print(path)
