@@ -385,6 +385,8 @@ def check_speed(folder: Path, gguf: Path, bundles: list[dict], tok, float_ppl: d
     from edgefinfer.data.corpora import load_text
     from runtime import measure
 
+    load_start = [round(x, 2) for x in os.getloadavg()]  # the section's own: --merge keeps it beside later runs'
+
     work = cache_dir() / "bench" / "gemma3"
     try:
         (genai, genai_builder), genai_refused = genai_peer(folder, work), None
@@ -423,6 +425,8 @@ def check_speed(folder: Path, gguf: Path, bundles: list[dict], tok, float_ppl: d
               f"{row['prefill_tok_s']:6.1f} tok/s  ppl vs float %: {' '.join(f'{k} {v:+.2f}' for k, v in d.items())}",
               flush=True)
     return {"prompt_tokens": 128, "decode_tokens": 64, "rounds": args.rounds, "rows": rows,
+            "load_avg_at_start": load_start, "load_avg_at_end": [round(x, 2) for x in os.getloadavg()],
+            "command": " ".join(["python", *sys.argv]),
             "genai_builder": genai_builder, "genai_builder_failed": genai_refused,
             "peer_quality": quality}
 
