@@ -1,7 +1,7 @@
 """Past one process: `edgefinfer serve --replicas 2 --threads 1` on Ray Serve, routed by prompt prefix
 and round-robin, against one `edgefinfer serve --threads 2` process; same GGUF, same client, same chats.
 
-    python bench/server_scale.py           # 3 repeats per arm, 32 output tokens (39 minutes on the loaded 2-core host)
+    python bench/server_scale.py           # 3 repeats per arm, 32 output tokens (7 minutes on a quiet 2-core host)
     python bench/server_scale.py --quick   # 1 repeat, 16 output tokens, no plot (a few minutes)
 
 Workload: 64 chats in SmolLM2's chat template, each a system turn from 4 distinct 512-token system
