@@ -50,6 +50,7 @@ from edgefinfer.bundle.artefact import ArtefactSpec, KVSpec, Layout, write_spec
 from edgefinfer.compile.et_attention import EtRingCache, EtStaticCache, ExportableLM, swap_attention
 from edgefinfer.files.atomic import write_bytes
 from edgefinfer.compile.artefact_cache import ArtefactCache, content_key
+from edgefinfer.compile import quant
 from edgefinfer.compile.et_quant import (QUANTIZED_SCHEMES, Scheme, check_xnnpack_layout, is_quantized,
                                          quantize_for_xnnpack, scheme_of)
 from edgefinfer.compile.vendor_sdks import require_sdk
@@ -94,7 +95,7 @@ NEUROPILOT_COMPILE_OPTIONS = (("gno", b"LTS"), ("gno-exp", b""), ("gno-non-4d-ti
 # (a float zero point's OffsetLinear), so their source is part of the key as well as the exporter's.
 CACHE_SOURCES = (*(Path(__file__).with_name(n) for n in ("executorch_export.py", "et_attention.py", "et_quant.py",
                                                          "fusion.py")),
-                 *sorted(Path(__file__).with_name("quant").glob("*.py")), Path(transformer_module.__file__))
+                 *quant.SOURCES, Path(transformer_module.__file__))
 PROGRAM = "model.pte"  # the program's name inside a cache entry
 # Kernel libraries a .pte from this exporter may need registered before it is loaded.
 RUNTIME_KERNEL_MODULES = ("executorch.kernels.quantized", "executorch.extension.llm.custom_ops.custom_ops")

@@ -59,6 +59,7 @@ from torch import nn
 from edgefinfer.bundle.artefact import ArtefactSpec, KVSpec, Layout, write_spec
 from edgefinfer.model.checkpoint import TOKENIZER_FILES
 from edgefinfer.compile.artefact_cache import cached_export
+from edgefinfer.compile import quant
 from edgefinfer.compile.onnx_graph import MS_DOMAIN, GraphBuilder, ir_dtype, save_model
 from edgefinfer.compile.onnx_weights import (EmbeddingSpec, FloatEmbedding, FloatLinear, LinearSpec, NBitsLinear,
                                              QuantTable, concat_linears, embedding_spec, linear_spec, shares_codes,
@@ -105,7 +106,7 @@ GENAI_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3"
 
 # The modules whose source is part of the artefact cache's key (weights="int4" quantizes with compile/quant).
 CACHE_SOURCES = (Path(__file__), Path(__file__).with_name("onnx_graph.py"), Path(__file__).with_name("onnx_weights.py"),
-                 *sorted(Path(__file__).with_name("quant").glob("*.py")))
+                 *quant.SOURCES)
 
 
 @cached_export("onnx", CACHE_SOURCES, bypass=("tokenizer_dir",))  # the tokenizer files are not in the key

@@ -9,7 +9,12 @@ docs/QUANTIZATION.md describes the formats, the methods and the measured results
 """
 
 import importlib
+from pathlib import Path
 from typing import Any
+
+# This package's source files: the artefact cache keys every exporter that quantizes (or traces the
+# modules quantization swaps in) on them.
+SOURCES: tuple[Path, ...] = tuple(sorted(Path(__file__).parent.glob("*.py")))
 
 # Names re-exported lazily: importing the package (the CLI does, to list `quantize`) must not pull
 # torch in; each name loads its module on first use.
