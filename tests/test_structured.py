@@ -176,3 +176,20 @@ def test_constrained_speculation_on_the_reference_model_stays_within_the_schema(
     out = spec.generate(prompt, max_tokens=200, chat=True, response_format=_schema_format(task))
     assert out.finish_reason == "stop" and is_valid(out.text, task["schema"]), out.text
     assert spec.speculation.stats.proposed > 0 and spec.speculation.stats.accepted > 0
+
+
+@pytest.mark.parametrize("choice, two_calls_allowed", [("required", True), ("get_time", False)])
+def test_a_named_tool_choice_is_exactly_one_call(choice, two_calls_allowed):
+    """OpenAI's forced function: a named tool_choice calls that function once; "required" may call several."""
+    from edgefinfer.decoding.tool_calls import CLOSE, OPEN, parse_tools, tool_call_constraint
+
+    tok = tiny_tokenizer()
+    tools = parse_tools([{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object",
+                                                                                            "properties": {}}}}])
+    call = '{"name": "get_time", "arguments": {}}'
+    one, two = (f"{OPEN}[\n" + ",\n".join([call] * n) + f"\n]{CLOSE}" for n in (1, 2))
+    grammar = GrammarCompiler(tok, tok.vocab_size, ()).compile(tool_call_constraint(tools, choice))
+    for text, allowed in ((one, True), (two, two_calls_allowed)):
+        ids = tok.encode(text, add_special_tokens=False)
+        matcher = grammar.matcher()
+        assert (matcher.valid_prefix(ids) == len(ids)) == allowed, text

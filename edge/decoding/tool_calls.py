@@ -122,10 +122,13 @@ def format_calls(tool_calls: list[Any]) -> str:
 
 def tool_call_constraint(tools: list[Tool], choice: str, parallel: bool = True) -> Constraint | None:
     """The grammar of a reply: a call list whose names and arguments follow the tools' schemas; with
-    "auto" also plain text (any reply that does not start with '<'). None for "none"."""
+    "auto" also plain text (any reply that does not start with '<'). A named function is called exactly
+    once (OpenAI's "forced function"; vLLM's named tool choice alike). None for "none"."""
     if choice == "none":
         return None
-    chosen = [t for t in tools if choice in ("auto", "required") or t.name == choice]
+    named = choice not in ("auto", "required")
+    parallel = parallel and not named
+    chosen = [t for t in tools if not named or t.name == choice]
     call = {"anyOf": [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": _closed(t.parameters)},
                        "required": ["name", "arguments"], "additionalProperties": False} for t in chosen],
             "x-guidance": _JSON_STYLE}
