@@ -801,6 +801,9 @@ def _to_executorch(edge):
         return edge.to_executorch(ExecutorchBackendConfig(
             passes=[InitializedMutableBufferPass(["slot_pos"])] if init else [],
             extract_delegate_segments=True,
+            # The KV buffers' names go into the program, so a runtime can read and write the cache
+            # (`Method.get_attribute`: a saved session restores its cache instead of prefilling again).
+            emit_mutable_buffer_names=True,
             do_quant_fusion_and_const_prop=True,  # dequantize + embedding -> quantized_decomposed::embedding_4bit
             memory_planning_pass=MemoryPlanningPass(alloc_graph_input=False),  # inputs come from the caller
             sym_shape_eval_pass=ConstraintBasedSymShapeEvalPass(),  # plan memory for the upper bound of S

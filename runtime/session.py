@@ -28,9 +28,10 @@ The session file (`save` / `load_session`), version `FORMAT_VERSION`:
 The header names the artefact's sha256, the backend, the cache layout and the cached token ids, so a
 file is refused (one UserError line, nothing touched) on another model, backend, layout or version,
 and when truncated or damaged (payload sha256). `state` says what the payload holds: "kv" (the cache
-contents: torch and ONNX Runtime tensors, llama.cpp's `llama_state_seq_get_data` blob) or "tokens"
-(none: ExecuTorch keeps its cache inside the program's mutable buffers, which its Python runtime does
-not expose; the paged cache and the QNN graphs likewise; the next turn then prefills the history).
+contents: torch and ONNX Runtime tensors, llama.cpp's `llama_state_seq_get_data` blob, an ExecuTorch
+program's own K/V buffers through `Method.get_attribute`) or "tokens" (none: a .pte exported before
+edgefinfer named its buffers, the paged cache and the QNN graphs; the next turn then prefills the
+history).
 """
 
 from __future__ import annotations

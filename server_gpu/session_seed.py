@@ -14,12 +14,12 @@ What must match, checked before the model loads (`check`), else one line and exi
   bundle's manifest names it; a bare file is hashed once);
 - the backend: llamacpp with its cache saved ("kv"). The other backends' files cannot seed a llama.cpp
   server: their caches are another runtime's tensors of another artefact (ONNX Runtime's int4 graph,
-  torch's float weights: other numbers for the same tokens), and an ExecuTorch file holds ids only (its
-  cache lives inside the program's buffers);
+  torch's float weights, ExecuTorch's program buffers: other numbers for the same tokens);
 - the cache layout: a static cache (a `--kv window` session has removed cells, so its positions no
   longer start at 0 contiguously) shorter than --max-model-len;
 - the cells' format: llama.cpp restores cells only into a cache of the same K/V types and V layout, and
-  the runtime keeps f32 K/V without flash attention (V transposed). `kv_settings` makes those the
+  the runtime keeps f32 K/V with plain attention for float weights, f16 with flash attention (V not
+  transposed) for quantized ones (`runtime_cells`). `kv_settings` makes those the
   defaults under --session, in the unified pool where retained prefixes live, and refuses flags that
   contradict them. llama.cpp checks the blob itself too (layers, sizes); its refusal is one line as well.
 """

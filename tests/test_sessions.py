@@ -144,7 +144,7 @@ def test_speculative_and_structured_output_inside_a_session(artefacts, name):
     assert fast.last.reused_tokens > 0
 
 
-@pytest.mark.parametrize("name", STATIC + ["torch-window", "onnxruntime-window", "llamacpp-window"])
+@pytest.mark.parametrize("name", STATIC + WINDOWED)
 def test_a_saved_session_continues_with_the_live_sessions_tokens(artefacts, tmp_path, name):
     live = load(artefacts, name).session()
     turn(live, TURNS[0], 1)
@@ -152,7 +152,7 @@ def test_a_saved_session_continues_with_the_live_sessions_tokens(artefacts, tmp_
     file = live.save(tmp_path / "chat.efs")
     header = _header(file)
     assert header["backend"] == live.engine.backend.name and header["tokens"] == live.cached
-    want_state = "tokens" if name.startswith("executorch") or name == "torch-paged" else "kv"
+    want_state = "tokens" if name == "torch-paged" else "kv"  # ExecuTorch: the program's named buffers
     assert header["state"] == want_state
     restored = load(artefacts, name).load_session(file)
     assert restored.messages == live.messages

@@ -174,6 +174,17 @@ def _pte_methods(spec: ArtefactSpec) -> dict[str, Any]:
     }
 
 
+# The program's KV cache buffers by name (ExecuTorch's `Method.get_attribute`, which the exporter enables
+# with `emit_mutable_buffer_names`): the exported module keeps its cache as `cache`, one key and one value
+# buffer per layer ([1, slots, Hkv, D]); a ring also keeps each slot's position (`slot_pos`, -1 = empty).
+PTE_SLOT_POSITIONS = "cache.slot_pos"
+
+
+def pte_kv_buffers(num_layers: int) -> list[str]:
+    """The names of a .pte's per-layer K and V buffers, layer by layer (k_0, v_0, k_1, ...)."""
+    return [f"cache.{kind}_{layer}" for layer in range(num_layers) for kind in ("k", "v")]
+
+
 def _from_pte(methods: Mapping[str, Any]) -> ArtefactSpec:
     window = int(methods.get("edgefinfer_window", 0)) or None
     max_chunk = int(methods["get_max_seq_len"])

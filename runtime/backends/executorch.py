@@ -36,7 +36,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from edgefinfer.bundle.artefact import read_spec
+from edgefinfer.bundle.artefact import PTE_SLOT_POSITIONS, pte_kv_buffers, read_spec
 from edgefinfer.errors import UserError
 from edgefinfer.runtime.backends.base import UNBOUNDED
 
@@ -148,6 +148,19 @@ class ExecuTorchBackend:
         self.all_logits = spec.all_logits
         self.eos_ids = list(spec.eos_ids)
         self.bos_id = spec.bos_id
+        self.kv_buffers, self._slot_pos = self._cache_views(spec.num_layers)
+
+    def _cache_views(self, num_layers: int | None) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """The program's K/V buffers (and a ring's slot positions) as tensors over its own memory, or
+        ([], None) for a program exported without their names (its sessions then save token ids only)."""
+        if not num_layers:
+            return [], None
+        try:
+            buffers = [self._forward.get_attribute(name) for name in pte_kv_buffers(num_layers)]
+            slot_pos = self._forward.get_attribute(PTE_SLOT_POSITIONS) if self.window is not None else None
+        except RuntimeError:  # "Failed to get attribute": exported before edgefinfer emitted the names
+            return [], None
+        return buffers, slot_pos
 
     def _constant(self, name: str):
         out = self._program.load_method(name)([])
@@ -185,6 +198,37 @@ class ExecuTorchBackend:
         for chunk, pos in self._chunks(tokens, start_pos):
             last = self._run(chunk, pos)
         return last[-1].float().numpy()
+
+    # ---- a saved session's cache (runtime/session.py) ----
+    def _ring_holds(self, length: int) -> bool:
+        """A ring describes exactly positions < `length` (not after rejected speculative tokens, whose
+        writes may have evicted rows still in the window: those cannot be restored from a file)."""
+        return int(self._slot_pos.max()) == length - 1
+
+    def export_cache(self, length: int) -> dict[str, np.ndarray] | None:
+        """Copies of the buffers that hold positions < `length`: a static buffer's first `length` slots,
+        a ring whole with its slot positions; None where this program cannot give them."""
+        if not self.kv_buffers:
+            return None
+        if self._slot_pos is None:
+            return {f"kv{i}": b[:, :length].numpy().copy() for i, b in enumerate(self.kv_buffers)}
+        if not self._ring_holds(length):
+            return None
+        return {**{f"kv{i}": b.numpy().copy() for i, b in enumerate(self.kv_buffers)},
+                "slot_pos": self._slot_pos.numpy().copy()}
+
+    def cache_shapes(self, length: int) -> dict[str, tuple[int, ...]]:
+        if self._slot_pos is None:
+            return {f"kv{i}": (b.shape[0], length, *b.shape[2:]) for i, b in enumerate(self.kv_buffers)}
+        return {**{f"kv{i}": tuple(b.shape) for i, b in enumerate(self.kv_buffers)},
+                "slot_pos": tuple(self._slot_pos.shape)}
+
+    def import_cache(self, arrays: dict[str, np.ndarray], length: int) -> None:
+        """Put back what `export_cache(length)` returned, into the program's own buffers."""
+        for i, b in enumerate(self.kv_buffers):
+            b[:, :arrays[f"kv{i}"].shape[1]] = torch.from_numpy(np.array(arrays[f"kv{i}"]))
+        if self._slot_pos is not None:
+            self._slot_pos.copy_(torch.from_numpy(np.array(arrays["slot_pos"])))
 
     def rollback(self, length: int) -> None:
         pass  # positional: the next forward at `length` hides everything at positions >= length
