@@ -240,6 +240,9 @@ def cache_layout(backend: Backend) -> str:
     for name in ("num_sinks", "lookahead", "max_draft_tokens"):
         if getattr(backend, name, None) is not None:
             parts.append(f"{name}={getattr(backend, name)}")
+    cells = getattr(backend, "cells", None)
+    if cells is not None:  # llama.cpp's cell format: its saved cells restore into the same format only
+        parts.append(cells.describe().replace(" ", "-"))
     cache = getattr(backend, "cache", None)
     if cache is not None:  # the torch caches: their buffers' shape is the layout
         parts.append(f"{type(cache).__name__}{tuple(cache.k.shape)}")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from edgefinfer.errors import UserError
 from edgefinfer.bundle.resolve import ModelSource, resolve
@@ -25,6 +26,9 @@ from edgefinfer.server_gpu.engine import ServingEngine, ServingEngineConfig
 from edgefinfer.server_gpu.interface import Executor
 from edgefinfer.server_gpu.scheduler import SchedulerConfig
 from edgefinfer.tokenization.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from edgefinfer.runtime.backends.llamacpp_binding import CellFormat
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +54,7 @@ class ServeOptions:
     flash_attn: bool | None = None
     kv_dtype: str | None = None
     # Each request's tokens exactly as `edgefinfer run` and as alone, whatever runs beside it (vLLM's
-    # batch-invariant mode): per-slot streams, f32 KV, no flash attention, aligned prompt chunks, one
+    # batch-invariant mode): per-slot streams in run's cell format, aligned prompt chunks, one
     # llama_decode per token count. Slower at concurrency, so off by default.
     batch_invariant: bool = False
     threads: int | None = None
@@ -71,34 +75,39 @@ class KVSettings:
     flash_attn: bool
 
 
-def kv_settings(opts: ServeOptions) -> KVSettings:
-    """The llama.cpp KV settings `opts` asks for, its None fields filled with the defaults of its mode.
+def kv_settings(opts: ServeOptions, run: CellFormat) -> KVSettings:
+    """The llama.cpp KV settings `opts` asks for, its None fields filled with the defaults of its mode;
+    `run`: the cells `edgefinfer run` keeps for this GGUF (`runtime_cells`).
 
     Default: f16 KV and flash attention as llama-server runs them, in the unified pool (prefixes shared
-    and kept after their request). --batch-invariant: per-slot streams, f32 KV, no flash attention, the
-    only settings under which a request's tokens equal `edgefinfer run`'s whatever its neighbours; a
-    flag that contradicts it is a usage error rather than a silently inexact server.
+    and kept after their request). --batch-invariant: per-slot streams in `edgefinfer run`'s cell format,
+    the only settings under which a request's tokens equal `edgefinfer run`'s whatever its neighbours;
+    a flag that contradicts it is a usage error rather than a silently inexact server.
 
-    --session: the unified pool (retained prefixes live there) with the runtime's cell format, f32 K/V
-    without flash attention, which is all llama.cpp restores a device's cells into (`session_seed`)."""
+    --session: the unified pool (retained prefixes live there) in the runtime's cell format, which is
+    all llama.cpp restores a device's cells into (`session_seed`)."""
+    def contradicting(*extra: tuple[str, bool]) -> list[str]:
+        dtype, flash = opts.kv_dtype, opts.flash_attn
+        return [flag for flag, bad in (*extra, (f"--kv-dtype {dtype}", dtype is not None and dtype != run.dtype),
+                                       ("--flash-attn" if flash else "--no-flash-attn",
+                                        flash is not None and flash != run.flash_attn)) if bad]
+
     if opts.sessions:
-        clash = [flag for flag, bad in (("--batch-invariant", opts.batch_invariant),
-                                        ("--kv-layout per-slot", opts.kv_unified is False),
-                                        ("--kv-dtype f16", opts.kv_dtype == "f16"), ("--flash-attn", opts.flash_attn))
-                 if bad]
+        clash = contradicting(("--batch-invariant", opts.batch_invariant),
+                              ("--kv-layout per-slot", opts.kv_unified is False))
         if clash:
-            raise UserError(f"--session restores the device's llama.cpp cells, which need the unified pool with f32 "
-                            f"K/V and no flash attention (as `edgefinfer run` keeps them); drop {' and '.join(clash)}")
-        return KVSettings(True, "f32", False)
+            raise UserError(f"--session restores the device's llama.cpp cells, which need the unified pool with "
+                            f"{run.describe()} (as `edgefinfer run` keeps them for this model); drop "
+                            f"{' and '.join(clash)}")
+        return KVSettings(True, run.dtype, run.flash_attn)
     if not opts.batch_invariant:
         return KVSettings(True if opts.kv_unified is None else opts.kv_unified, opts.kv_dtype or "f16",
                           True if opts.flash_attn is None else opts.flash_attn)
-    clash = [flag for flag, bad in (("--kv-layout unified", opts.kv_unified), ("--kv-dtype f16", opts.kv_dtype == "f16"),
-                                    ("--flash-attn", opts.flash_attn)) if bad]
+    clash = contradicting(("--kv-layout unified", bool(opts.kv_unified)))
     if clash:
-        raise UserError(f"--batch-invariant computes exactly what `edgefinfer run` does (per-slot KV in f32, no "
-                        f"flash attention); drop {' and '.join(clash)}, or drop --batch-invariant")
-    return KVSettings(False, "f32", False)
+        raise UserError(f"--batch-invariant computes exactly what `edgefinfer run` does (per-slot KV, "
+                        f"{run.describe()} for this model); drop {' and '.join(clash)}, or drop --batch-invariant")
+    return KVSettings(False, run.dtype, run.flash_attn)
 
 
 def build_engine(opts: ServeOptions) -> tuple[ServingEngine, str]:
@@ -153,13 +162,14 @@ def _tokenizer(src: ModelSource) -> tuple[Tokenizer, tuple[int, ...]]:
 
 
 def _llamacpp(src: ModelSource, opts: ServeOptions) -> tuple[Executor, Tokenizer, tuple[int, ...]]:
-    from edgefinfer.runtime.backends.llamacpp_binding import tokenizer_matches
+    from edgefinfer.files.untrusted import check_gguf
+    from edgefinfer.runtime.backends.llamacpp_binding import runtime_cells, tokenizer_matches
     from edgefinfer.server_gpu.executor_llamacpp import LlamaCppExecutor
 
     if not src.is_gguf:
         raise UserError(f"the llama.cpp backend runs GGUF files; {src.path} is a HF folder: build a GGUF "
                         f"(`edgefinfer build --target gpu-server`) or use --backend torch")
-    kv = kv_settings(opts)
+    kv = kv_settings(opts, runtime_cells(check_gguf(src.path)))
     tokenizer, stop_ids = _tokenizer(src)
     executor = LlamaCppExecutor(src.path, max_num_seqs=opts.max_num_seqs, max_model_len=opts.max_model_len,
                                 max_batch_tokens=opts.max_num_batched_tokens, block_size=opts.block_size,

@@ -12,6 +12,7 @@ from edgefinfer.compile.quant.recipe import parse_recipe
 from edgefinfer.errors import UserError
 from edgefinfer.model.gguf_import import import_gguf, open_gguf
 from edgefinfer.runtime.backends.llamacpp import LlamaCppBackend
+from edgefinfer.runtime.backends.llamacpp_binding import CellFormat
 from edgefinfer.runtime.decode import Speculation, generate_tokens
 from edgefinfer.runtime.speculative.proposers import PromptLookupProposer
 from tests.helpers import tiny_model, tiny_tokenizer
@@ -84,7 +85,9 @@ def test_quantized_model_repacks_bit_for_bit(tmp_path, tok, recipe, linears, emb
         else:
             assert torch.equal(got_w, want_w), name
     ids = tok.encode(PROMPT)
-    got = LlamaCppBackend(tmp_path / "q.gguf", n_ctx=128, threads=1).forward(ids, 0)
+    # Exact f32 cells (the runtime's default for quantized weights is f16 with flash attention, whose
+    # rounding this float-noise comparison would see: runtime_cells).
+    got = LlamaCppBackend(tmp_path / "q.gguf", n_ctx=128, threads=1, cells=CellFormat("f32", False)).forward(ids, 0)
     want = eager_logits(model, ids)
     # llama.cpp rounds the activations of quantized matmuls to 8 bits (Q8_0 / Q8_1 blocks of 32), a small
     # part of what quantizing the weights did; with that rounding restated in eager torch, the

@@ -115,8 +115,9 @@ def gguf_bytes(gpu_bundle, tmp_path_factory) -> tuple[bytes, dict[str, int]]:
 
 
 def test_the_good_gguf_passes_the_check(gpu_bundle):
-    meta = check_gguf(gpu_bundle / "model.gguf")
-    assert meta["general.architecture"] == "llama" and meta["llama.block_count"] == 2
+    header = check_gguf(gpu_bundle / "model.gguf")
+    assert header.meta["general.architecture"] == "llama" and header.meta["llama.block_count"] == 2
+    assert header.tensor_types["blk.0.attn_q.weight"] not in (0, 1, 30) and not header.float_weights
 
 
 @pytest.mark.parametrize("name", list(GGUF_EDITS))

@@ -15,6 +15,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 pytest.importorskip("llama_cpp")
 
+from edgefinfer.errors import UserError  # noqa: E402
 from edgefinfer.server_gpu.api import create_app  # noqa: E402
 from edgefinfer.server_gpu.launch import BackgroundServer  # noqa: E402
 from edgefinfer.server_gpu.loader import ServeOptions, build_engine  # noqa: E402
@@ -443,21 +444,29 @@ def test_api_key_is_required_when_set():
 
 
 @pytest.mark.parametrize("flags, named", [(["--kv-layout", "unified"], "--kv-layout unified"),
-                                          (["--kv-dtype", "f16", "--flash-attn"], "--kv-dtype f16 and --flash-attn")])
+                                          (["--kv-dtype", "f32", "--no-flash-attn"], "--kv-dtype f32 and --no-flash-attn")])
 def test_batch_invariant_refuses_settings_that_would_make_it_inexact(capsys, flags, named):
     from edgefinfer.app.entry_point import run_command
     from edgefinfer.app.serve_command import serve
 
     assert run_command(serve, [MODEL, "--batch-invariant", *flags]) == 2
     err = capsys.readouterr().err
-    assert err == (f"error: --batch-invariant computes exactly what `edgefinfer run` does (per-slot KV in f32, no "
-                   f"flash attention); drop {named}, or drop --batch-invariant\n")
+    assert err == (f"error: --batch-invariant computes exactly what `edgefinfer run` does (per-slot KV, f16 K/V with "
+                   f"flash attention for this model); drop {named}, or drop --batch-invariant\n")
 
 
 def test_defaults_are_llama_servers_and_the_exact_mode_is_a_flag():
+    from edgefinfer.runtime.backends.llamacpp_binding import CellFormat
     from edgefinfer.server_gpu.loader import KVSettings, kv_settings
 
-    assert kv_settings(ServeOptions(MODEL)) == KVSettings(unified=True, dtype="f16", flash_attn=True)
-    assert kv_settings(ServeOptions(MODEL, batch_invariant=True)) == KVSettings(unified=False, dtype="f32",
-                                                                                flash_attn=False)
-    assert kv_settings(ServeOptions(MODEL, kv_unified=False, flash_attn=False)) == KVSettings(False, "f16", False)
+    quantized, float_weights = CellFormat("f16", True), CellFormat("f32", False)  # `edgefinfer run`'s cells
+    for run in (quantized, float_weights):
+        assert kv_settings(ServeOptions(MODEL), run) == KVSettings(unified=True, dtype="f16", flash_attn=True)
+        assert kv_settings(ServeOptions(MODEL, batch_invariant=True), run) == KVSettings(False, run.dtype,
+                                                                                          run.flash_attn)
+        assert kv_settings(ServeOptions(MODEL, sessions=("a.efs",)), run) == KVSettings(True, run.dtype, run.flash_attn)
+        assert kv_settings(ServeOptions(MODEL, kv_unified=False, flash_attn=False), run) == KVSettings(False, "f16",
+                                                                                                      False)
+    with pytest.raises(UserError, match="need the unified pool with f32 K/V without flash attention .* drop --kv-dtype "
+                                        "f16 and --flash-attn"):
+        kv_settings(ServeOptions(MODEL, sessions=("a.efs",), kv_dtype="f16", flash_attn=True), float_weights)

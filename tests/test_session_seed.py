@@ -118,8 +118,8 @@ def _rewrite(src, dst, **changes):
     ({"cache": "LlamaCppBackend max_seq_len=18446744073709551615 window=64"}, {}, "was saved with a window cache"),
     ({"state": "tokens", "arrays": [], "payload_sha256": "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"},
      {}, "holds no llama.cpp cache (state 'tokens')"),
-    ({}, {"kv_dtype": "f16"}, "need the unified pool with f32 K/V and no flash attention (as `edgefinfer run` keeps "
-                              "them); drop --kv-dtype f16"),
+    ({}, {"kv_dtype": "f16"}, "need the unified pool with f32 K/V without flash attention (as `edgefinfer "
+                              "run` keeps them for this model); drop --kv-dtype f16"),
     ({}, {"batch_invariant": True}, "drop --batch-invariant"),
     ({}, {"max_model_len": 32}, "raise it above the conversation"),
 ])

@@ -59,12 +59,12 @@ from edgefinfer.errors import UserError
                    "--no-flash-attn for the plain attention kernels).")
 @click.option("--batch-invariant", is_flag=True,
               help="Exactly the tokens of `edgefinfer run` for every request, whatever runs beside it (per-slot "
-                   "KV in f32, no flash attention, aligned prompt chunks, one forward per token count; vLLM's "
+                   "KV in the cell format `edgefinfer run` keeps for the model, aligned prompt chunks, one forward per token count; vLLM's "
                    "batch-invariant mode). Slower under concurrency.")
 @click.option("--session", "sessions", multiple=True, metavar="FILE",
               help="A conversation saved on the device's llama.cpp backend (`edgefinfer chat` /save) on this GGUF: its "
                    "cache seeds the prefix cache, so a request that continues it computes only the new tokens "
-                   "(repeatable; implies f32 K/V without flash attention, as the device keeps them). See docs/SERVER.md.")
+                   "(repeatable; implies the unified pool in the cell format the device keeps). See docs/SERVER.md.")
 @click.option("--gpu-layers", default=0, show_default=True, type=click.IntRange(0),
               help="llama.cpp layers offloaded to the GPU (CUDA build; 999 = all).")
 @click.option("--device", default="cpu", show_default=True, help="torch backend device (cpu, cuda).")

@@ -32,6 +32,7 @@ import mmap
 import re
 import struct
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -170,8 +171,24 @@ class _Cursor:
             raise _Damaged(f"{what} is not UTF-8") from None
 
 
-def check_gguf(path: str | Path) -> dict[str, Any]:
-    """Walk a GGUF's header; return its scalar metadata, or raise a one-line UserError saying what is wrong.
+@dataclass(frozen=True)
+class GgufHeader:
+    """What `check_gguf` read: the scalar metadata (arrays as (item type, count)) and each tensor's ggml type."""
+
+    meta: dict[str, Any]
+    tensor_types: dict[str, int]
+
+    @property
+    def float_weights(self) -> bool:
+        """Every matrix is F32, F16 or BF16 (no quantized weight anywhere)."""
+        return all(t in _FLOAT_TYPES for t in self.tensor_types.values())
+
+
+_FLOAT_TYPES = (0, 1, 30)  # ggml's F32, F16, BF16
+
+
+def check_gguf(path: str | Path) -> GgufHeader:
+    """Walk a GGUF's header; return what it holds, or raise a one-line UserError saying what is wrong.
 
     Checks what llama.cpp or gguf-py would crash, abort, hang or fail vaguely on; the tensors' contents
     are the sha256's business (bundles) or the user's."""
@@ -191,7 +208,7 @@ def check_gguf(path: str | Path) -> dict[str, Any]:
             raise UserError(f"{file} is not a usable GGUF file: {e}; re-download or re-convert it") from None
 
 
-def _walk(cur: _Cursor) -> dict[str, Any]:
+def _walk(cur: _Cursor) -> GgufHeader:
     cur.pos = 4
     version = cur.take("<I", "the version")
     if version not in GGUF_VERSIONS:
@@ -213,7 +230,7 @@ def _walk(cur: _Cursor) -> dict[str, Any]:
     data_start = -(-cur.pos // alignment) * alignment
     _check_tensors(tensors, data_start, cur.size, alignment)
     _check_hyperparameters(meta, tensors)
-    return meta
+    return GgufHeader(meta, {name: ggml_type for name, _, ggml_type, _ in tensors})
 
 
 def _value(cur: _Cursor, vtype: int, key: str) -> Any:

@@ -25,7 +25,7 @@ import numpy as np
 
 from edgefinfer.errors import UserError
 from edgefinfer.runtime.backends.base import UNBOUNDED
-from edgefinfer.runtime.backends.llamacpp_binding import LlamaContext, LlamaModel
+from edgefinfer.runtime.backends.llamacpp_binding import CellFormat, LlamaContext, LlamaModel, runtime_cells
 
 _SEQ = 0  # the llama seq id of the one sequence
 
@@ -35,8 +35,10 @@ class LlamaCppBackend:
     N_BATCH = 512  # tokens per llama_decode call
 
     def __init__(self, gguf_path: str | Path, n_ctx: int = 2048, threads: int | None = None,
-                 window: int | None = None, num_sinks: int = 0, native_load: Callable[[], None] | None = None):
-        """native_load: called right before llama.cpp loads the weights (GIL released; see engine.open_backend)."""
+                 window: int | None = None, num_sinks: int = 0, native_load: Callable[[], None] | None = None,
+                 cells: CellFormat | None = None):
+        """native_load: called right before llama.cpp loads the weights (GIL released; see engine.open_backend).
+        cells: the KV cells' format (None: `runtime_cells`, what `edgefinfer run` keeps for this GGUF)."""
         self.model = LlamaModel(gguf_path, native_load=native_load)
         if window is not None:
             if window < 1 or num_sinks < 0:
@@ -46,10 +48,12 @@ class LlamaCppBackend:
         else:
             self.model.check_window(n_ctx, "--max-seq-len")
         cores = os.cpu_count() or 1
-        # F32 KV keeps llama.cpp's cache from adding f16 rounding on top of the weights' own. Without
-        # `threads`, llama-cpp-python's defaults (which this backend used before): half the cores for
-        # one-token steps, all of them for prompts.
-        self.ctx = LlamaContext(self.model, 1, n_ctx, kv_dtype="f32", max_tokens=min(n_ctx, self.N_BATCH),
+        # The cells: exact f32 for float weights, llama.cpp's f16 with flash attention for quantized ones
+        # (`runtime_cells` says why). Without `threads`, llama-cpp-python's defaults (which this
+        # backend used before): half the cores for one-token steps, all of them for prompts.
+        self.cells = cells or runtime_cells(self.model.header)
+        self.ctx = LlamaContext(self.model, 1, n_ctx, kv_dtype=self.cells.dtype, flash_attn=self.cells.flash_attn,
+                                max_tokens=min(n_ctx, self.N_BATCH),
                                 threads=threads or cores, decode_threads=threads or max(cores // 2, 1))
         self.window = window
         self.num_sinks = num_sinks

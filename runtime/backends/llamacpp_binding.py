@@ -18,15 +18,46 @@ from __future__ import annotations
 import ctypes
 import os
 import weakref
+from dataclasses import dataclass
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 
 from edgefinfer.errors import UserError
-from edgefinfer.files.untrusted import check_gguf
+from edgefinfer.files.untrusted import GgufHeader, check_gguf
 
 KV_TYPES = {"f32": 0, "f16": 1}  # ggml_type ids
+
+
+@dataclass(frozen=True)
+class CellFormat:
+    """How llama.cpp holds and attends to a model's KV cells: their type and whether flash attention
+    reads them (which also lays V out untransposed; llama.cpp restores a saved sequence only into a
+    cache of the same format)."""
+
+    dtype: str  # a KV_TYPES key
+    flash_attn: bool
+
+    def describe(self) -> str:
+        return f"{self.dtype} K/V {'with' if self.flash_attn else 'without'} flash attention"
+
+
+def runtime_cells(header: GgufHeader) -> CellFormat:
+    """The cells `edgefinfer run` keeps for a GGUF, which the server's --batch-invariant and --session follow.
+
+    Float weights: f32 K/V and plain attention, so the logits stay within float noise of the
+    checkpoint's (flash attention casts K and V to f16 first: ~1e-2 on the tiny float models).
+    Quantized weights: llama.cpp's own default (llama-cli, llama-server), f16 K/V with flash attention.
+    Against f32 K/V with plain attention on SmolLM2 Q4_1 (2 threads, one-off): a 400-token prefill
+    1.48 s instead of 1.83 s, decode 94-99 instead of 90-94 tok/s, half the cache memory, and the
+    logits no further from the float model's (max |diff| ~1.2 either way: the weights' own error).
+    Neither is exact under another split of the same sequence: the activations of quantized matmuls
+    are rounded to 8 bits, so a last-bit difference can flip a rounding, and both attention paths
+    change their arithmetic with the batch (a token decoded alone equals the same token inside a
+    batch of up to 48 tokens with flash attention, of up to ~35 without; beyond that they differ by
+    up to 0.5-1.4 logits, llama-cpp-python's `Llama` alike)."""
+    return CellFormat("f32", False) if header.float_weights else CellFormat("f16", True)
 
 # (llama seq id, start position, tokens, how many trailing tokens want logits)
 DecodeRow = tuple[int, int, Sequence[int], int]
@@ -82,7 +113,7 @@ class LlamaModel:
             raise UserError(f"GGUF file {self.path} does not exist")
         # llama.cpp aborts the whole process on some hostile headers (edgefinfer.files.untrusted): the one
         # place that hands a GGUF to llama.cpp checks it first, for the runtime and the server alike.
-        check_gguf(self.path)
+        self.header = check_gguf(self.path)
         params = lib.llama_model_default_params()
         params.n_gpu_layers = gpu_layers
         if native_load is not None:
