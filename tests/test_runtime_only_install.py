@@ -95,10 +95,14 @@ import atexit, runpy, sys
 HEAVY = ("torch", "onnxruntime", "gguf", "transformers", "executorch")
 # What only an exporter needs (ExecuTorch's Python wrappers import them: seconds of a .pte's start).
 EXPORTERS = ("executorch.exir", "torch._inductor", "torch._dynamo")
+# What a plain prompt never uses: llama-cpp-python's high-level `Llama`, a chat template's jinja2.
+UNUSED = ("llama_cpp.llama", "jinja2")
 atexit.register(lambda: sys.stderr.write("\\nLOADED " + ",".join(sorted({m.split(".")[0] for m in sys.modules
                                                                          if m.split(".")[0] in HEAVY}))
                                          + " EXPORTERS " + ",".join(sorted({e for e in EXPORTERS for m in sys.modules
                                                                             if m == e or m.startswith(e + ".")}))
+                                         + " UNUSED " + ",".join(sorted({e for e in UNUSED for m in sys.modules
+                                                                         if m == e or m.startswith(e + ".")}))
                                          + "\\n"))
 sys.argv = ["edgefinfer", "run", *sys.argv[1:]]
 runpy.run_module("edgefinfer", run_name="__main__")
@@ -143,10 +147,12 @@ def test_run_loads_only_the_runtime_it_needs(request, artefact, allowed):
                            "--threads", "1"], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     report = proc.stderr.rsplit("LOADED ", 1)[1].split("\n")[0]
-    loaded_text, _, exporters = report.partition(" EXPORTERS ")
+    loaded_text, _, rest = report.partition(" EXPORTERS ")
+    exporters, _, unused = rest.partition(" UNUSED ")
     loaded = set(loaded_text.split(",")) - {""}
     assert loaded == allowed, proc.stderr  # no torch: greedy decoding on ONNX Runtime and llama.cpp needs none
     assert exporters == "", proc.stderr
+    assert unused == "", proc.stderr
     expect = Engine.load(path, threads=1).generate(prompt, max_tokens=8)
     assert expect.token_ids
     assert proc.stdout == expect.text + "\n"  # the same tokens as the Engine in-process
