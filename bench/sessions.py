@@ -10,7 +10,8 @@ The reference model (SmolLM2-135M-Instruct) on each backend: torch (the float32 
 Per backend: time to first token of turn 1 and of turn 10 through one `Engine.session()` (turn 10
 prefills only its new tokens), against turn 10 as a stateless run prefilling the whole history; each a
 median of 3 (turn 10 with a session is re-run from the cache state after turn 9). `same_text`: the
-session's replies equal the stateless runs' (every turn; --quick: turn 10). Then save/load: the next
+session's replies equal the stateless runs' (every turn; --quick: turn 10); `same_turns` counts the
+turns that do, `parted_at` names the others as [turn, first differing reply token]. Then save/load: the next
 turn's TTFT from a session loaded from its file against the live session's (median of 3 each), and the
 file's size and state ("kv": the cache itself; "tokens": ids only, the history is prefilled again).
 
@@ -159,17 +160,19 @@ def run_backend(backend: str, path: Path, threads: int, quick: bool) -> dict:
 
     # Stateless: the whole history prefilled for each turn (the engine's cache is no longer the session's).
     history = state10[0]
-    same = []
+    same, parted = [], []
     checked = range(10) if not quick else [9]
     for i in checked:
         ids, _ = stateless(history[:2 * i + 1])
         same.append(ids == replies[i])
+        if ids != replies[i]:  # (turn, first differing reply token): where greedy replies part
+            parted.append([i + 1, next(j for j, (a, b) in enumerate(zip(ids + [-1], replies[i] + [-2])) if a != b)])
     stateless10 = [stateless(history[:19])[1] for _ in range(3)]
     t1, t10, s10 = statistics.median(turn1), statistics.median(turn10), statistics.median(stateless10)
     return {"backend": backend, "artefact": str(path), "turn1_ttft_s": round(t1, 4), "turn10_ttft_s": round(t10, 4),
             "turn10_over_turn1_ttft": round(t10 / t1, 3), "stateless_turn10_ttft_s": round(s10, 4),
             "stateless_over_session_turn10": round(s10 / t10, 2), "same_text": all(same),
-            "turns_compared": len(same), "turn10_prompt_tokens": prompt10, "turn10_prefilled_tokens": prefilled10,
+            "turns_compared": len(same), "same_turns": sum(same), "parted_at": parted, "turn10_prompt_tokens": prompt10, "turn10_prefilled_tokens": prefilled10,
             "reply_tokens": n_reply, "live_turn11_ttft_s": round(statistics.median(live11), 4),
             "restored_turn11_ttft_s": round(statistics.median(restored11), 4), "restored_same_text": restored_same,
             "session_file_bytes": file_bytes, "session_state": state}
