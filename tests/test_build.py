@@ -246,3 +246,21 @@ def test_interrupted_build_leaves_no_bundle_and_rerun_succeeds(tmp_path, smollm2
     assert rerun.returncode == 0, rerun.stderr
     assert load_manifest(dest, target="gpu-server").metrics["ppl_delta_pct"] < 2.0
     assert [p.name for p in dest.parent.iterdir()] == ["gpu"]  # the killed build's temporary folder is gone
+
+
+@pytest.mark.parametrize("requantize", [False, True])
+def test_an_explicit_recipe_keeps_the_source_ggufs_higher_bits_unless_told(tmp_path, tiny_dir, requantize):
+    """A model converted from a GGUF keeps at 8 bits the matrices the GGUF stored above the recipe's bits,
+    with --recipe as with the default; --requantize-source takes the recipe literally."""
+    import shutil
+
+    from edgefinfer.app import build as build_mod
+
+    folder = tmp_path / "from-gguf"
+    shutil.copytree(tiny_dir, folder)
+    types = {"model.layers.0.mlp.down_proj": "Q6_K", "model.layers.0.self_attn.q_proj": "Q4_K"}
+    (folder / "source.json").write_text(json.dumps({"gguf_type": "q4_k_m", "tensor_types": types}))
+    build_mod.build(build_mod.BuildOptions(target="linux-x86_64", model=folder, out=tmp_path / "b", eval_tokens=0,
+                                           recipe="int4-g32-fzp", requantize_source=requantize))
+    kept = load_manifest(tmp_path / "b", target="linux-x86_64").recipe.get("source_precision", {})
+    assert list(kept) == ([] if requantize else ["model.layers.0.mlp.down_proj"])

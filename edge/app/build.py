@@ -63,6 +63,7 @@ class BuildOptions:
     threads: int | None = None
     soc: str = "sm8650"  # qnn target: the Snapdragon to compile for
     draft: str | Path | None = None  # a draft model folder to ship for speculative decoding
+    requantize_source: bool = False  # also bring the source GGUF's higher-bit matrices down to the recipe
 
 
 @dataclass
@@ -188,9 +189,11 @@ def _choose_recipe(source: _Source, target: Target, given: Recipe | None, opts: 
     tried, the matrices kept at the bits of the GGUF the weights came from). One candidate, unless a
     quality budget asks for the smallest recipe within it; a UserError when none is."""
     recipe = given or Recipe.parse(default_recipe(target, source.folder))
-    # A default recipe re-quantizes no matrix below the bits its source GGUF gave it (an explicit one is
-    # taken as it is, and a quality budget measures its candidates anyway).
-    kept = source_precision(source.folder, recipe) if given is None and opts.quality_budget is None else {}
+    # No matrix is re-quantized below the bits its source GGUF gave it, with the default recipe or an
+    # explicit one (--requantize-source takes the recipe literally; a quality budget measures its
+    # candidates anyway).
+    keep = not opts.requantize_source and opts.quality_budget is None
+    kept = source_precision(source.folder, recipe) if keep else {}
     model = source.model
     if source.prequantized is not None:  # `edgefinfer quantize` already chose: export those codes as they are
         if opts.recipe or opts.quality_budget is not None:
@@ -209,7 +212,7 @@ def _choose_recipe(source: _Source, target: Target, given: Recipe | None, opts: 
             check_recipe(model, target, recipe)
             if kept:
                 print(f"  {len(kept)} matrices stay at 8 bits: the GGUF the weights came from stored them with "
-                      "more bits than the recipe's", file=sys.stderr)
+                      "more bits than the recipe's (--requantize-source to quantize them too)", file=sys.stderr)
             quantized = quantize_for(model, target, recipe, source.tokenizer, kept)
         candidates = iter([(recipe, quantized)])
     first, quantized = next(candidates, (None, None))
