@@ -18,8 +18,8 @@ What must match, checked before the model loads (`check`), else one line and exi
 - the cache layout: a static cache (a `--kv window` session has removed cells, so its positions no
   longer start at 0 contiguously) shorter than --max-model-len;
 - the cells' format: llama.cpp restores cells only into a cache of the same K/V types and V layout, and
-  the runtime keeps f32 K/V with plain attention for float weights, f16 with flash attention (V not
-  transposed) for quantized ones (`runtime_cells`). `kv_settings` makes those the
+  the runtime keeps f32 K/V for float weights, f16 for quantized ones, both with plain attention
+  (V transposed; `runtime_cells`). `kv_settings` makes those the
   defaults under --session, in the unified pool where retained prefixes live, and refuses flags that
   contradict them. llama.cpp checks the blob itself too (layers, sizes); its refusal is one line as well.
 """

@@ -85,8 +85,8 @@ def test_quantized_model_repacks_bit_for_bit(tmp_path, tok, recipe, linears, emb
         else:
             assert torch.equal(got_w, want_w), name
     ids = tok.encode(PROMPT)
-    # Exact f32 cells (the runtime's default for quantized weights is f16 with flash attention, whose
-    # rounding this float-noise comparison would see: runtime_cells).
+    # Exact f32 cells (the runtime's default for quantized weights is f16, whose rounding this
+    # float-noise comparison would see: runtime_cells).
     got = LlamaCppBackend(tmp_path / "q.gguf", n_ctx=128, threads=1, cells=CellFormat("f32", False)).forward(ids, 0)
     want = eager_logits(model, ids)
     # llama.cpp rounds the activations of quantized matmuls to 8 bits (Q8_0 / Q8_1 blocks of 32), a small

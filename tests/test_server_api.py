@@ -444,14 +444,14 @@ def test_api_key_is_required_when_set():
 
 
 @pytest.mark.parametrize("flags, named", [(["--kv-layout", "unified"], "--kv-layout unified"),
-                                          (["--kv-dtype", "f32", "--no-flash-attn"], "--kv-dtype f32 and --no-flash-attn")])
+                                          (["--kv-dtype", "f32", "--flash-attn"], "--kv-dtype f32 and --flash-attn")])
 def test_batch_invariant_refuses_settings_that_would_make_it_inexact(capsys, flags, named):
     from edgefinfer.app.entry_point import run_command
     from edgefinfer.app.serve_command import serve
 
     assert run_command(serve, [MODEL, "--batch-invariant", *flags]) == 2
     err = capsys.readouterr().err
-    assert err == (f"error: --batch-invariant computes exactly what `edgefinfer run` does (per-slot KV, f16 K/V with "
+    assert err == (f"error: --batch-invariant computes exactly what `edgefinfer run` does (per-slot KV, f16 K/V without "
                    f"flash attention for this model); drop {named}, or drop --batch-invariant\n")
 
 
@@ -459,7 +459,7 @@ def test_defaults_are_llama_servers_and_the_exact_mode_is_a_flag():
     from edgefinfer.runtime.backends.llamacpp_binding import CellFormat
     from edgefinfer.server_gpu.loader import KVSettings, kv_settings
 
-    quantized, float_weights = CellFormat("f16", True), CellFormat("f32", False)  # `edgefinfer run`'s cells
+    quantized, float_weights = CellFormat("f16", False), CellFormat("f32", False)  # `edgefinfer run`'s cells
     for run in (quantized, float_weights):
         assert kv_settings(ServeOptions(MODEL), run) == KVSettings(unified=True, dtype="f16", flash_attn=True)
         assert kv_settings(ServeOptions(MODEL, batch_invariant=True), run) == KVSettings(False, run.dtype,

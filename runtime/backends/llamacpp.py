@@ -48,7 +48,7 @@ class LlamaCppBackend:
         else:
             self.model.check_window(n_ctx, "--max-seq-len")
         cores = os.cpu_count() or 1
-        # The cells: exact f32 for float weights, llama.cpp's f16 with flash attention for quantized ones
+        # The cells: exact f32 for float weights, llama.cpp's f16 for quantized ones, plain attention
         # (`runtime_cells` says why). Without `threads`, llama-cpp-python's defaults (which this
         # backend used before): half the cores for one-token steps, all of them for prompts.
         self.cells = cells or runtime_cells(self.model.header)

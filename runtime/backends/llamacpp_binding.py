@@ -51,18 +51,18 @@ class CellFormat:
 def runtime_cells(header: GgufHeader) -> CellFormat:
     """The cells `edgefinfer run` keeps for a GGUF, which the server's --batch-invariant and --session follow.
 
-    Float weights: f32 K/V and plain attention, so the logits stay within float noise of the
-    checkpoint's (flash attention casts K and V to f16 first: ~1e-2 on the tiny float models).
-    Quantized weights: llama.cpp's own default (llama-cli, llama-server), f16 K/V with flash attention.
-    Against f32 K/V with plain attention on SmolLM2 Q4_1 (2 threads, one-off): a 400-token prefill
-    1.48 s instead of 1.83 s, decode 94-99 instead of 90-94 tok/s, half the cache memory, and the
-    logits no further from the float model's (max |diff| ~1.2 either way: the weights' own error).
-    Neither is exact under another split of the same sequence: the activations of quantized matmuls
-    are rounded to 8 bits, so a last-bit difference can flip a rounding, and both attention paths
-    change their arithmetic with the batch (a token decoded alone equals the same token inside a
-    batch of up to 48 tokens with flash attention, of up to ~35 without; beyond that they differ by
-    up to 0.5-1.4 logits, llama-cpp-python's `Llama` alike)."""
-    return CellFormat("f32", False) if header.float_weights else CellFormat("f16", True)
+    Float weights: f32 K/V, so the logits stay within float noise of the checkpoint's. Quantized
+    weights: f16 K/V (llama.cpp's own cell type: half the cache to clear at start and to hold), whose
+    rounding is far below the weights' own. Plain attention for both, not flash attention: llama.cpp's
+    CPU flash attention decodes faster at a short context but slower at a long one and prefills a chat
+    turn on top of a long conversation slower (bench/results/llamacpp_cells.json, SmolLM2 Q4_1, 2
+    threads: decode at 850 cached tokens 92 vs 79 tok/s, 44 new tokens on 813 cached 0.21 vs 0.29 s;
+    at 64 cached tokens 126 vs 143 tok/s), and casts f32 K/V to f16 first (~1e-2 on the tiny float
+    models). An on-device conversation is the long case. No format makes a position's logits
+    independent of how the sequence was split into batches (a token decoded alone equals itself inside
+    a prefill batch of up to 8-48 tokens, `split_equal_up_to`), because quantized matmuls round their
+    activations to 8 bits and a last-bit difference can flip a code."""
+    return CellFormat("f32", False) if header.float_weights else CellFormat("f16", False)
 
 # (llama seq id, start position, tokens, how many trailing tokens want logits)
 DecodeRow = tuple[int, int, Sequence[int], int]
