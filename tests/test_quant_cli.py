@@ -110,3 +110,20 @@ def test_default_calibration_is_the_one_build_uses(monkeypatch):
         encode = staticmethod(lambda text: list(range(len(text.split()))))
 
     assert tuple(default_calibration(Words()).shape) == (16, 256) and seen == ["calib-mix"]
+
+
+@pytest.mark.parametrize("requantize", [False, True])
+def test_a_source_ggufs_higher_bit_matrices_stay_at_8_bits_unless_told(run, capsys, tiny_dir, tmp_path, requantize):
+    """As `edgefinfer build` does: a matrix the source GGUF stored at 6 bits is not cut to the recipe's 4."""
+    types = {"model.layers.1.mlp.down_proj": "Q6_K", "model.layers.0.self_attn.q_proj": "Q4_K"}
+    (tiny_dir / "source.json").write_text(json.dumps({"gguf_type": "q4_k_m", "tensor_types": types}))
+    code, out = run(capsys, str(tiny_dir), "-r", "int4-g32", "-o", str(tmp_path / "q"), "--eval-tokens", "0",
+                    *(["--requantize-source"] if requantize else []))
+    assert code == 0, out
+    report = json.loads((tmp_path / "q" / REPORT_FILE).read_text())
+    bits = report["per_layer_bits"]
+    assert bits["model.layers.0.self_attn.q_proj"] == "int4-g32-asym"
+    assert bits["model.layers.1.mlp.down_proj"] == ("int4-g32-asym" if requantize else "int8-pc-sym")
+    assert ("1 matrices stay at 8 bits" in out) != requantize
+    model, recipe = load_quantized(tmp_path / "q")  # the checkpoint remembers the override
+    assert model.get_submodule("model.layers.1.mlp.down_proj").fmt.bits == (4 if requantize else 8)

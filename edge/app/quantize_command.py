@@ -59,11 +59,15 @@ def parse_size(text: str) -> int:
 @click.option("--sensitivity-tokens", default=512, show_default=True, type=click.IntRange(16),
               help="Calibration tokens used to measure sensitivity.")
 @click.option("--seed", default=CALIB_SEED, show_default=True, type=int, help="Seed for the calibration sample.")
+@click.option("--requantize-source", is_flag=True,
+              help="For a model converted from a GGUF: quantize every matrix to the recipe, also those the GGUF "
+              "stored with more bits (default: those stay at 8 bits, as `edgefinfer build` keeps them).")
 @click.option("--threads", type=int, default=None, help="torch intra-op threads.")
 def quantize(model: str, recipe_name: str, output: Path, calib_blocks: int, calib_len: int, calib_split: str,
              calib_text: Path | None,
              eval_tokens: int, window: int, stride: int, mixed_budget: str | None, mixed_max_ppl: float | None,
-             mixed_high: str, mixed_unit: str, sensitivity_tokens: int, seed: int, threads: int | None) -> None:
+             mixed_high: str, mixed_unit: str, sensitivity_tokens: int, seed: int, requantize_source: bool,
+             threads: int | None) -> None:
     """Quantize MODEL with a recipe; write a quantized checkpoint and a JSON report to OUTPUT."""
     import torch
 
@@ -104,6 +108,12 @@ def quantize(model: str, recipe_name: str, output: Path, calib_blocks: int, cali
         recipe, extra["mixed_precision"] = _mixed(float_model, recipe, calib, mixed_budget, mixed_max_ppl, mixed_high,
                                                   mixed_unit, sensitivity_tokens, calib_len, say)
         plan_formats(qmodel, recipe)
+    elif not requantize_source and (kept := _source_precision(folder, recipe_name)):
+        say(f"{len(kept)} matrices stay at 8 bits: the GGUF the weights came from stored them with more bits than "
+            "the recipe's (--requantize-source to quantize them too)")
+        recipe = recipe.with_overrides(kept)
+        extra["source_precision"] = sorted(kept)
+        plan_formats(qmodel, recipe)
 
     result = quantize_model(qmodel, recipe, calib, progress=say)
     quality = None
@@ -120,6 +130,14 @@ def quantize(model: str, recipe_name: str, output: Path, calib_blocks: int, cali
                    extra_files={REPORT_FILE: json.dumps(report, indent=2) + "\n"})
     click.echo(summary_table(qmodel, result, quality, float_bytes))
     click.echo(f"wrote {output} ({REPORT_FILE} inside)")
+
+
+def _source_precision(folder: Path, recipe_name: str) -> dict:
+    """`edgefinfer build`'s rule: the matrices a source GGUF stored above the recipe's bits, at 8 bits."""
+    from edgefinfer.app.build import source_precision
+    from edgefinfer.bundle.recipe import Recipe
+
+    return source_precision(folder, Recipe.parse(recipe_name))
 
 
 def _is_recipe(text: str) -> bool:
