@@ -33,7 +33,7 @@ from edgefinfer.app.model_arg import DEFAULT_MODEL, resolve_model
 from edgefinfer.bundle.artefact import KVSpec, Layout
 from edgefinfer.bundle.manifest import BundleWriter
 from edgefinfer.errors import UserError
-from edgefinfer.bundle.recipe import LLAMACPP_PREFIX, Recipe, RecipeKind
+from edgefinfer.bundle.recipe import LLAMACPP_PREFIX, Recipe, RecipeKind, source_precision
 from edgefinfer.bundle.targets import Target, get_target
 
 # Candidate recipes per artefact format for --quality-budget, smallest first; at one size the cheap
@@ -357,26 +357,6 @@ def _float_perplexity(model, test_ids: list[int], window: int, prefix: list[int]
     figures, reused = cached_figures("float-ppl", model, options, sources,
                                      lambda: {"ppl": _perplexity_of(lambda ids: model(ids), test_ids, window, prefix)})
     return figures["ppl"], reused
-
-
-def source_precision(folder: Path, recipe: Recipe) -> dict[str, Any]:
-    """Module -> the 8-bit format for each matrix that the GGUF the weights were converted from stored
-    above `recipe`'s bits (Gemma 3 270M's Q4_K_M: Q5_0 where a row of 640 fits no K-quant, Q6_K and Q8_0
-    beside Q4_K). Re-rounding a 5- or 6-bit grid to 4 bits loses what the source kept; per-channel int8
-    is what both the XNNPACK and the MatMulNBits exports take beside 4-bit layers. Empty for recipes
-    outside our integer grammar and for models not converted from a GGUF."""
-    from edgefinfer.compile.quant.recipe import WeightFormat
-    from edgefinfer.model.gguf_import import source_tensor_bits
-
-    bits = source_tensor_bits(folder)
-    if not bits or not recipe.quantized_by_us:
-        return {}
-    weights = recipe.quant.weights
-    if weights.kind != "int":
-        return {}
-    int8 = WeightFormat(kind="int", bits=8, group_size=None, symmetric=True)
-    return {name: int8 for name, b in bits.items()
-            if b > weights.bits and name not in ("model.embed_tokens", "lm_head")}  # those: the recipe's -emb
 
 
 def quantize_for(model, target: Target, recipe: Recipe, tokenizer, overrides: dict[str, Any] | None = None):

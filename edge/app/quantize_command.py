@@ -134,8 +134,7 @@ def quantize(model: str, recipe_name: str, output: Path, calib_blocks: int, cali
 
 def _source_precision(folder: Path, recipe_name: str) -> dict:
     """`edgefinfer build`'s rule: the matrices a source GGUF stored above the recipe's bits, at 8 bits."""
-    from edgefinfer.app.build import source_precision
-    from edgefinfer.bundle.recipe import Recipe
+    from edgefinfer.bundle.recipe import Recipe, source_precision
 
     return source_precision(folder, Recipe.parse(recipe_name))
 

@@ -18,10 +18,11 @@ recipe's spelling. Foundation: a pure value, like the grammar it wraps.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from enum import StrEnum
 
 from edgefinfer.errors import UserError
-from edgefinfer.bundle.quant_recipe import QuantRecipe, parse_recipe
+from edgefinfer.bundle.quant_recipe import QuantRecipe, WeightFormat, parse_recipe
 
 
 
@@ -82,3 +83,23 @@ def quant_recipe_of(name: str | None) -> QuantRecipe | None:
         return Recipe.parse(name).quant
     except UserError:
         return None
+
+
+def source_precision(folder: str | Path, recipe: Recipe) -> dict[str, WeightFormat]:
+    """Module -> the 8-bit format for each matrix that the GGUF the weights were converted from stored
+    above `recipe`'s bits (Gemma 3 270M's Q4_K_M: Q5_0 where a row of 640 fits no K-quant, Q6_K and Q8_0
+    beside Q4_K). Re-rounding a 5- or 6-bit grid to 4 bits loses what the source kept; per-channel int8
+    is what both the XNNPACK and the MatMulNBits exports take beside 4-bit layers. Empty for recipes
+    outside our integer grammar and for models not converted from a GGUF. `edgefinfer build` and
+    `edgefinfer quantize` both keep these unless told to re-quantize them (--requantize-source)."""
+    from edgefinfer.model.gguf_import import source_tensor_bits
+
+    bits = source_tensor_bits(folder)
+    if not bits or not recipe.quantized_by_us:
+        return {}
+    weights = recipe.quant.weights
+    if weights.kind != "int":
+        return {}
+    int8 = WeightFormat(kind="int", bits=8, group_size=None, symmetric=True)
+    return {name: int8 for name, b in bits.items()
+            if b > weights.bits and name not in ("model.embed_tokens", "lm_head")}  # those: the recipe's -emb
