@@ -548,8 +548,10 @@ def main() -> None:
             if args.fzp_search:
                 result["fzp_search"] = check_fzp_search(model, folder, tok, float_ppl, args)
                 save()
-            if args.smoothing:
-                result["smoothing"] = check_smoothing(args.smoothing_models.split(","), args)
+            if args.smoothing:  # a row replaces the same model's row (--smoothing-models measures a subset)
+                models = args.smoothing_models.split(",")
+                kept_rows = [r for r in result.get("smoothing", []) if r["model"] not in models]
+                result["smoothing"] = kept_rows + check_smoothing(models, args)
                 save()
             if args.grids:  # a row replaces the same model and recipe's row
                 grids = result["grids"] = [r for r in result.get("grids", []) if r["recipe"] not in
