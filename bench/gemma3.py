@@ -316,6 +316,21 @@ def measured_bundle(bundle: Path, float_ppl: dict, args) -> dict:
             "ppl_delta_pct": {d: round(100 * (ppl[d] / float_ppl[d] - 1), 2) for d in ppl}}
 
 
+def check_heldout_long(model, tok, bundles: list[str], rows: list[dict], args) -> list[dict]:
+    """Bundles measured by their own runtimes on --tokens held-out tokens per domain (more than the
+    1024 of the other sections: with int8 activations a 1024-token delta moves by a point or two
+    between float paths), beside the float model on the same tokens."""
+    with torch.no_grad():
+        float_ppl = heldout_ppl(lambda t: model(t), tok, args.tokens, args.window)
+    print("float", args.tokens, float_ppl, flush=True)
+    for folder in bundles:
+        row = {"tokens_per_domain": args.tokens, "window": args.window, "bundle": folder, "float_ppl": float_ppl,
+               **measured_bundle(Path(folder), float_ppl, args)}
+        rows = [r for r in rows if (r["recipe"], r["tokens_per_domain"]) != (row["recipe"], args.tokens)] + [row]
+        print(json.dumps({k: row[k] for k in ("recipe", "runtime", "ppl_delta_pct")}), flush=True)
+    return rows
+
+
 def bundle_path(row: dict, args) -> Path:
     """The artefact a bundle row measured, or the same target's in --bundles (a row kept by --merge may
     name a temporary folder of an earlier run)."""
@@ -488,6 +503,10 @@ def main() -> None:
                     help="also the android recipe's int8 activations without and with their smoothing (eager)")
     ap.add_argument("--smoothing-models", default="smollm2-135m,gemma3-270m", help="with --smoothing: these models")
     ap.add_argument("--smoothing-bundle", help="with --smoothing: a Gemma bundle built with the -smooth recipe")
+    ap.add_argument("--heldout-bundles", default=None,
+                    help="bundles (comma-separated folders) measured by their runtimes at --tokens per domain, with "
+                         "the float model at the same tokens: section `heldout_long` (its rows replace the same "
+                         "recipe's at the same tokens)")
     ap.add_argument("--merge", action="store_true",
                     help="keep the results file's other sections and rows: replace only what this run measures")
     args = ap.parse_args()
@@ -547,6 +566,10 @@ def main() -> None:
                 save()
             if args.fzp_search:
                 result["fzp_search"] = check_fzp_search(model, folder, tok, float_ppl, args)
+                save()
+            if args.heldout_bundles:
+                result["heldout_long"] = check_heldout_long(model, tok, args.heldout_bundles.split(","),
+                                                            result.get("heldout_long", []), args)
                 save()
             if args.smoothing:  # a row replaces the same model's row (--smoothing-models measures a subset)
                 models = args.smoothing_models.split(",")
