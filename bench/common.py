@@ -20,10 +20,21 @@ def machine() -> dict:
     return {
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
+        "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
         "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
         "load_avg_at_start": [round(x, 2) for x in os.getloadavg()],
     }
+
+
+def cpu_model() -> str | None:
+    """The CPU's model name (Linux's /proc/cpuinfo): kernels such as XNNPACK's and llama.cpp's are picked
+    by CPU, so two runs on hosts of the same size but another CPU are not the same measurement."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:
+        return None
 
 
 def versions(*packages: str) -> dict:
