@@ -13,6 +13,7 @@ import json
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -118,6 +119,31 @@ def test_the_good_gguf_passes_the_check(gpu_bundle):
     header = check_gguf(gpu_bundle / "model.gguf")
     assert header.meta["general.architecture"] == "llama" and header.meta["llama.block_count"] == 2
     assert header.tensor_types["blk.0.attn_q.weight"] not in (0, 1, 30) and not header.float_weights
+
+
+def test_a_passed_header_is_remembered_until_the_file_changes(monkeypatch, tmp_path, gguf_bytes):
+    """The walk runs once per version of the file (edgefinfer.files.stamped): the remembered header equals
+    the walked one, and a file edited in place (same inode and size) is walked again and refused."""
+    from edgefinfer.files import stamped, untrusted
+
+    monkeypatch.setenv("EDGEFINFER_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(stamped, "SETTLED_S", 0.0)
+    walks = []
+    real_walk = untrusted._walk
+    monkeypatch.setattr(untrusted, "_walk", lambda cur: walks.append(1) or real_walk(cur))
+    file = tmp_path / "model.gguf"
+    file.write_bytes(gguf_bytes[0])
+    first = check_gguf(file)
+    again = check_gguf(file)
+    assert len(walks) == 1 and (tmp_path / "cache" / untrusted.GGUF_HEADERS).is_file()
+    assert again == first and again.meta["tokenizer.ggml.tokens"] == first.meta["tokenizer.ggml.tokens"]
+    edit, words = GGUF_EDITS["block_count 0"]
+    time.sleep(0.05)  # past the file system's timestamp tick (the real SETTLED_S covers this)
+    with open(file, "r+b") as f:
+        f.write(edit(*gguf_bytes))
+    with pytest.raises(UserError, match=words):
+        check_gguf(file)
+    assert len(walks) == 2
 
 
 @pytest.mark.parametrize("name", list(GGUF_EDITS))
