@@ -191,6 +191,8 @@ def test_a_bundle_parses_its_tokenizer_while_the_weights_load(onnx_bundle, monke
 
 @pytest.mark.parametrize("artefact", ["onnx_bundle", "gguf_file"])
 def test_backends_call_native_load_once_before_loading(request, artefact):
+    """Once, and by the time the backend exists: llama.cpp right before its native load, ONNX Runtime
+    GRAPH_READ_S into its session build or at its end, whichever comes first."""
     path = request.getfixturevalue(artefact)
     calls = []
     if artefact == "gguf_file":
