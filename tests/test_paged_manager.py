@@ -309,13 +309,15 @@ def test_per_sequence_storage_hits_only_live_computed_holders(hash_fn):
     assert (b.num_cached_tokens, b.prefix_source) == (8, "A")
     assert st.tokens_of(m, "B") == P + [3]
 
-    # A sequence truncated into block 1 holds it only in part; it can serve block 0 only.
+    # A sequence truncated into block 1 holds it only in part: block 0 as a hit, then its 2 computed
+    # tokens of block 1 token by token (C's own block 1 is new).
     m.mark_computed("B")
     d.fork("B", "T")
     d.truncate("T", 6)
     d.free("A"), d.free("B"), d.free("X")
     c = d.allocate("C", P + [4])
-    assert (c.num_cached_tokens, c.prefix_source) == (4, "T")
+    assert (c.num_cached_tokens, c.prefix_source, c.cached_block_ids) == (6, "T", (m.block_table("T")[0],))
+    assert c.block_ids[1] != m.block_table("T")[1] and c.slot_mapping[0] == c.block_ids[1] * 4 + 2
     assert st.tokens_of(m, "C") == P + [4]
     d.free("C"), d.free("T")
     s = m.stats()

@@ -397,6 +397,43 @@ def test_retained_prefixes_serve_later_requests_and_yield_their_cells():
         engine.executor.close()
 
 
+def test_a_repeated_prompt_computes_only_its_last_token():
+    """llama-server's slots reuse a finished prompt to the token; so does the default unified pool: the
+    retained prefix holds the whole block after the hit blocks token by token, so a prompt asked again
+    reuses all its tokens but the last (not only its whole 16-token blocks), and answers as it did (the
+    first ask computed the prompt as one batch of under 48 tokens, which flash attention computes as it
+    computes one token alone: bench/results/llamacpp_cells.json)."""
+    engine, _ = build_engine(ServeOptions(MODEL, max_num_seqs=2, max_model_len=256, threads=1))
+    tok = engine.tokenizer
+    prompt = tok.encode("The lighthouse keeper climbed the stairs every evening, counting each step. " * 4)[:41]
+    assert len(prompt) == 41 and len(prompt) % 16  # two whole blocks and 9 tokens into the third
+    done, outs = threading.Semaphore(0), {}
+
+    def ask(rid):
+        def sink(out):
+            outs.setdefault(rid, []).extend(t for d in out.deltas for t in d.token_ids)
+            if out.finished:
+                done.release()
+        before = engine.manager.stats().prefix_hits
+        engine.submit(rid, prompt, GenerationParams(max_tokens=8, ignore_eos=True), sink)
+        assert done.acquire(timeout=120)
+        return outs[rid], engine.manager.stats().prefix_hits - before
+
+    engine.start()
+    try:
+        first, hits = ask("a")
+        assert hits == 0
+        deadline = time.monotonic() + 10
+        while engine.snapshot()["kv_used"] and time.monotonic() < deadline:  # "a" is retained, not running
+            time.sleep(0.02)
+        again, hits = ask("b")
+        assert hits == len(prompt) - 1  # was 32: the two whole blocks only
+        assert again == first
+    finally:
+        engine.stop()
+        engine.executor.close()
+
+
 def test_draft_model_speculation_verifies_in_the_batch():
     # The model as its own draft (its own llama context, one slot per sequence): most drafts are accepted,
     # and rejected tails are rolled back on both sides.

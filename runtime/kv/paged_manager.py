@@ -22,7 +22,11 @@ Rules, each with its reason:
 - Prefix hits are whole blocks found by chained content hash, and at most `len(prompt) - 1` tokens
   come from the cache (vLLM's rule): the last prompt token is always computed, because its forward
   yields the logits of the first generated token. A prompt of exactly k full blocks reuses at most
-  k - 1 blocks.
+  k - 1 blocks. With a per-sequence storage the hit goes on token by token into the next block, up to
+  the last prompt token, when a live or retained sequence holds those tokens computed after the same
+  hit blocks: its storage keeps cells, not blocks (llama-server's slots reuse a prompt to the token the
+  same way). The sequence's own block there is new; the storage copies the leading tokens into it
+  (`share_prefix` with `num_tokens` past the hit blocks).
 - A block enters the prefix cache only in `mark_computed`, once its KV is really in storage. (vLLM
   caches at scheduling time and relies on one forward writing before it reads; a llama.cpp storage
   copies cells that must already exist.) Forgetting `mark_computed` only costs hits, never
@@ -115,7 +119,9 @@ class SlotPlan:
     block_ids:       the sequence's whole block table after this call
     start_pos:       position of the first new token (the tokens before it are in storage or planned)
     slot_mapping:    [num_new_tokens] flat slot of each new token: block_id * block_size + offset
-    num_cached_tokens / cached_block_ids: the prefix reused from the cache (allocate only)
+    num_cached_tokens / cached_block_ids: the prefix reused from the cache (allocate only); with
+                     per-sequence storage, up to block_size - 1 tokens more than the cached blocks
+                     hold, from `prefix_source`'s cells (the first new block's leading tokens)
     prefix_source:   with `per_sequence_storage`, a live sequence (or a `RetainedPrefix`) whose
                      storage holds that prefix
     new_block_ids:   blocks taken from the pool by this call (copy-on-write targets included)
@@ -144,7 +150,7 @@ class SlotPlan:
         """Make the storage ready for the forward that writes `slot_mapping`."""
         for op in self.retained_ops:
             op.apply_to(storage)
-        if self.cached_block_ids:
+        if self.num_cached_tokens:
             storage.share_prefix(self.seq_id, self.prefix_source, self.cached_block_ids, self.num_cached_tokens)
         if self.copy_ops:
             storage.copy_blocks(self.copy_ops)
@@ -300,6 +306,7 @@ class PagedKVManager:
         self._hash_fn = hash_fn
         self._seqs: dict[SeqId, _Seq] = {}
         self._retained: OrderedDict[RetainedPrefix, list[int]] = OrderedDict()  # least recently used first
+        self._retained_tokens: dict[RetainedPrefix, tuple[int, ...]] = {}  # the token ids its blocks hold
         self._coverage: Counter[int] = Counter()  # block -> retained prefixes holding it
         self._retained_ids = itertools.count()
         self._prefix_queries = 0
@@ -369,21 +376,33 @@ class PagedKVManager:
             raise ValueError(f"sequence {seq_id!r}: allocate needs at least one token")
         tokens = list(token_ids)
         hashes, hits = self._longest_cached_prefix(tokens) if self.enable_prefix_caching else ([], [])
-        source = None
+        source, holder, extra = None, None, 0
         if hits and self.per_sequence_storage:
             source, n = self._prefix_source(hits)
             del hashes[n:], hits[n:]
+        if self.per_sequence_storage and self.enable_prefix_caching:
+            holder, extra = self._partial_block(tokens, hits)
         num_new = _cdiv(len(tokens), self.block_size) - len(hits)
         # A hit on a cached (unreferenced) block takes it out of the free queue too.
         needed = num_new + sum(self.pool.ref_count(b) == 0 for b in hits)
         if needed > self.pool.num_free:
             return NoRoom(needed, self.pool.num_free)
+        # A retained holder's block after the hits is cached, not held: this very call must not evict
+        # it, so it is held while blocks are taken (where there is room for that; else no partial hit).
+        guard = []
+        if extra and isinstance(holder, RetainedPrefix):
+            block = self._retained[holder][len(hits)]
+            guard = [block] if self.pool.ref_count(block) == 0 else []
+            if guard and needed + 1 > self.pool.num_free:
+                guard, extra = [], 0
+        source = holder if extra else source
 
-        self.pool.touch(hits)  # before take(): a hit block must not be evicted for this very sequence
+        self.pool.touch(hits + guard)  # before take(): a hit block must not be evicted for this very sequence
         if isinstance(source, RetainedPrefix):
             self._retained.move_to_end(source)
         new, evicted, retained_ops = self._take(num_new)
-        num_cached = len(hits) * self.block_size
+        self.pool.release(guard)  # back in the queue, as recently used
+        num_cached = len(hits) * self.block_size + extra
         seq = _Seq(tokens, hits + new, num_computed=num_cached, block_hashes=hashes)
         self._seqs[seq_id] = seq
         if self.enable_prefix_caching:
@@ -502,6 +521,7 @@ class PagedKVManager:
         if run and not any(t[:len(run)] == run for t in self._retained.values()):
             retained_as = RetainedPrefix(next(self._retained_ids))
             self._retained[retained_as] = run
+            self._retained_tokens[retained_as] = tuple(seq.token_ids[:len(run) * self.block_size])
             self._coverage.update(run)
             # Prefixes the new one starts with are redundant; then the least recently used go.
             dropped += [self._cut_retained(r, 0) for r, t in list(self._retained.items())
@@ -577,6 +597,7 @@ class PagedKVManager:
         self._forget_unheld(gone)
         if keep == 0:
             del self._retained[rid]
+            del self._retained_tokens[rid]
             return FreeEvent(rid, tuple(gone), ())
         return TruncateEvent(rid, keep * self.block_size, tuple(gone[::-1]), ())
 
@@ -615,6 +636,34 @@ class PagedKVManager:
             blocks.append(b)
             parent = h
         return hashes, blocks
+
+    def _partial_block(self, tokens: list[int], hits: list[int]) -> tuple[SeqId | None, int]:
+        """Per-sequence storage: (holder, m), a sequence (live, or a retained prefix) whose first blocks
+        are `hits` and whose storage holds, computed, the next m tokens of `tokens` too, m as large as
+        possible; (None, 0) if none. The block after the hits is not in the cache (only full blocks are),
+        but a sequence's storage holds its cells token by token: a repeated prompt then computes its
+        last token only, as llama-server's slots do, instead of up to a block of tokens."""
+        bs, k = self.block_size, len(hits)
+        start = k * bs
+        limit = min(bs, len(tokens) - 1 - start)  # the last prompt token is always computed
+        if limit <= 0:
+            return None, 0
+        want = tokens[start:start + limit]
+        holders = itertools.chain(((sid, s.block_ids, s.num_computed, s.token_ids) for sid, s in self._seqs.items()),
+                                  ((rid, t, len(t) * bs, self._retained_tokens[rid])
+                                   for rid, t in reversed(self._retained.items())))
+        best, best_m = None, 0
+        for sid, table, num_computed, held in holders:
+            if num_computed <= start or table[:k] != hits or len(table) <= k or table[k] == NULL_BLOCK:
+                continue
+            m, stop = 0, min(limit, num_computed - start)
+            while m < stop and held[start + m] == want[m]:
+                m += 1
+            if m > best_m:
+                best, best_m = sid, m
+                if m == limit:
+                    break
+        return best, best_m
 
     def _prefix_source(self, hits: list[int]) -> tuple[SeqId | None, int]:
         """The live sequence that holds, computed and whole, the longest run of `hits`, and that

@@ -69,7 +69,9 @@ class KVStorage(Protocol):
                      num_tokens: int) -> None:
         """A new sequence starts with its first `num_tokens` tokens already stored in the cached
         `block_ids` (block i at positions [i * block_size, (i + 1) * block_size)). `source_id` is a
-        live sequence holding that prefix (always set with `per_sequence_storage`, else None)."""
+        live sequence holding that prefix (always set with `per_sequence_storage`, else None); there,
+        `num_tokens` may go on past `block_ids` into the sequence's next (new) block, whose leading
+        tokens `source_id` holds too."""
         ...
 
     def fork(self, parent_id: SeqId, child_id: SeqId, num_tokens: int) -> None:
