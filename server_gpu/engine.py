@@ -50,7 +50,9 @@ class ServingEngine:
                                       retain_prefixes=executor.retain_prefixes,
                                       retain_blocks=executor.retain_blocks,
                                       retain_once_blocks=executor.retain_once_blocks,
-                                      sliding_window=executor.sliding_window)
+                                      sliding_window=executor.sliding_window,
+                                      adopt_retained=executor.adopt_retained,
+                                      max_storage_ids=executor.max_storage_ids)
         self.scheduler = Scheduler(config.scheduler, self.manager, tokenizer, stop_ids, executor.batch_invariant,
                                    speculation, supports_swap=executor.supports_swap)
         self.metrics = Metrics(self.snapshot)

@@ -100,6 +100,9 @@ class LlamaSeqStorage:
         self._slots[retained_id] = s
         self.ctx.remove(s, num_tokens)
 
+    def adopt(self, retained_id: SeqId, seq_id: SeqId, num_tokens: int) -> None:
+        self.retain(retained_id, seq_id, num_tokens)  # the same move, the other way
+
     # ---- SwappableStorage (llama_state_seq_*: restores bit-exactly into any slot) -----------------
     def swap_out(self, seq_id: SeqId) -> None:
         self._swapped[seq_id] = self.ctx.save(self.slot(seq_id))
@@ -141,7 +144,7 @@ class LlamaCppExecutor:
                  kv_cells: int | None = None, flash_attn: bool = True, kv_dtype: str = "f16",
                  batch_invariant: bool = False,
                  threads: int | None = None, gpu_layers: int = 0, num_blocks: int | None = None,
-                 retain_prefixes: int | None = None, retain_tokens: int | None = None):
+                 retain_prefixes: int | None = None, retain_tokens: int | None = None, swap: bool = False):
         self.model = LlamaModel(gguf_path, gpu_layers)
         max_model_len = min(max_model_len, self.model.n_ctx_train)
         self.model.check_window(max_model_len, "--max-model-len")
@@ -151,17 +154,23 @@ class LlamaCppExecutor:
         if kv_cells is not None and not kv_unified:
             raise UserError("--kv-cells sizes the unified pool; with --kv-layout per-slot each sequence gets "
                             "--max-model-len cells")
-        # Retained prefixes need their own llama seq ids; in per-slot streams each would cost a whole stream.
+        # Retained prefixes in a unified pool need llama seq ids of their own. Per-slot, they stay in the
+        # streams that their requests leave free (llama-server's slots keep each finished prompt), and a
+        # request that starts with one takes its stream over (`adopt_retained`); not with swap
+        # preemption (a stream restored from host memory must be empty) nor batch invariance (an adopted
+        # prefix was computed in other chunks than the request's own).
         limit = self.model.lib.llama_max_parallel_sequences() - max_num_seqs
         if retain_prefixes is None:
-            retain_prefixes = min(64, limit) if kv_unified else 0
-        if retain_prefixes and not kv_unified:
-            raise UserError("retained prefixes need --kv-layout unified (in per-slot streams each would hold a "
-                            "whole --max-model-len stream)")
-        if retain_prefixes > max(limit, 0):
+            retain_prefixes = min(64, limit) if kv_unified else (0 if batch_invariant or swap else max_num_seqs)
+        if retain_prefixes and not kv_unified and (batch_invariant or swap):
+            raise UserError("per-slot streams keep finished prompts only without --batch-invariant and --preemption "
+                            "swap; drop --retain-prefixes")
+        if kv_unified and retain_prefixes > max(limit, 0):
             raise UserError(f"llama.cpp holds {limit + max_num_seqs} sequences per context: --max-num-seqs "
                             f"{max_num_seqs} leaves room for {max(limit, 0)} retained prefixes, not {retain_prefixes}")
         self.retain_prefixes = retain_prefixes
+        self.adopt_retained = bool(retain_prefixes) and not kv_unified
+        self.max_storage_ids = max_num_seqs if self.adopt_retained else None
         # Every token attends (masked) over the unified pool up to its highest used cell, so retained
         # cells cost every step compute, and more than their number: one kept high in the pool keeps
         # the attended extent there. Uncapped, bench/server.py's workloads ran at half speed after six
@@ -169,11 +178,11 @@ class LlamaCppExecutor:
         # retained prefixes hold (PagedKVManager's `retain_blocks`): running requests' are there anyway.
         # It holds for prompts that nothing shares; prefixes that a second request used may take
         # RETAIN_SHARED_FACTOR times as much (2Q's split), since each hit saves a whole prefill.
-        if retain_tokens is None and retain_prefixes:
+        if retain_tokens is None and retain_prefixes and kv_unified:  # per-slot: other streams cost nothing
             retain_tokens = DEFAULT_RETAIN_TOKENS
         self.retain_once_blocks = None if retain_tokens is None else retain_tokens // block_size
         self.retain_blocks = None if retain_tokens is None else RETAIN_SHARED_FACTOR * retain_tokens // block_size
-        num_slots = max_num_seqs + retain_prefixes
+        num_slots = max_num_seqs + (retain_prefixes if kv_unified else 0)
         self.ctx = LlamaContext(self.model, num_slots, max_model_len, unified=kv_unified, flash_attn=flash_attn,
                                 kv_dtype=kv_dtype, threads=threads, max_tokens=max_batch_tokens,
                                 total_cells=kv_cells if kv_cells is not None or not kv_unified

@@ -29,6 +29,8 @@ class TorchExecutor:
     retain_prefixes = 0  # a block-tensor pool caches freed blocks by itself
     retain_blocks = None
     retain_once_blocks = None
+    adopt_retained = False
+    max_storage_ids = None
     batch_invariant = False  # padded shapes change with the batch, and so can the kernels' rounding
     supports_swap = False  # preemption recomputes
 

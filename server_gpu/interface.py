@@ -104,6 +104,8 @@ class Executor(Protocol):
     retain_prefixes: int  # freed sequences' prefixes a per-sequence storage keeps (PagedKVManager)
     retain_blocks: int | None  # and at most this many blocks that only they hold
     retain_once_blocks: int | None  # and of those, this many that no second sequence used
+    adopt_retained: bool  # a hit on a retained prefix takes its storage over (PagedKVManager)
+    max_storage_ids: int | None  # live sequences and retained prefixes together at most
     # True when a sequence's logits do not depend on which other sequences share its forward, as long
     # as its own tokens are split into the same chunks (llama.cpp with one KV stream per sequence).
     batch_invariant: bool

@@ -49,7 +49,7 @@ class ServeOptions:
     # attention in one unified pool, or, with batch_invariant, what `edgefinfer run` computes exactly.
     kv_unified: bool | None = None  # True: one cell pool the manager governs; False: one stream per sequence
     kv_cells: int | None = None
-    retain_prefixes: int | None = None  # None: 64 with kv_unified, else 0
+    retain_prefixes: int | None = None  # None: 64 with kv_unified; per-slot, max_num_seqs (0 if exact or swapping)
     retain_tokens: int | None = None  # cap on the tokens only retained prefixes hold (None: DEFAULT_RETAIN_TOKENS)
     flash_attn: bool | None = None
     kv_dtype: str | None = None
@@ -177,7 +177,7 @@ def _llamacpp(src: ModelSource, opts: ServeOptions) -> tuple[Executor, Tokenizer
                                 kv_dtype=kv.dtype, batch_invariant=opts.batch_invariant,
                                 threads=opts.threads, gpu_layers=opts.gpu_layers,
                                 num_blocks=opts.kv_blocks, retain_prefixes=opts.retain_prefixes,
-                                retain_tokens=opts.retain_tokens)
+                                retain_tokens=opts.retain_tokens, swap=opts.preemption == "swap")
     if tokenizer.vocab_size > executor.vocab_size:
         raise UserError(f"the tokenizer has {tokenizer.vocab_size} tokens but {src.path} only {executor.vocab_size}")
     if not tokenizer_matches(executor.model, tokenizer, _CHECK_TEXTS):

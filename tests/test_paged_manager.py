@@ -48,6 +48,7 @@ class BlockStorage:
     def truncate(self, seq_id, num_tokens): pass
     def release(self, seq_id): pass
     def retain(self, seq_id, retained_id, num_tokens): raise AssertionError("a block pool caches by itself")
+    def adopt(self, retained_id, seq_id, num_tokens): raise AssertionError("a block pool retains nothing")
 
     def forward(self, plan: SlotPlan, new_tokens):
         for slot, tok in zip(plan.slot_mapping, new_tokens, strict=True):
@@ -103,6 +104,10 @@ class LlamaStorage:
                 tags.discard(seq_id)
                 tags.add(retained_id)
         self._untag(retained_id, num_tokens)
+
+    def adopt(self, retained_id, seq_id, num_tokens):  # the retained slot serves a new sequence
+        assert not self._of(seq_id), "the adopting sequence already has cells"
+        self.retain(retained_id, seq_id, num_tokens)
 
     def forward(self, plan: SlotPlan, new_tokens):
         mine = self._of(plan.seq_id)
@@ -353,6 +358,71 @@ def test_retained_prefix_outlives_its_sequence_until_evicted(hash_fn):
     assert plan.retained_ops[0].num_tokens == 4
     assert m.retained() == {} and st.tokens_of(m, rid) == [] and len(st.cells) == 32
     assert m.stats().num_retained == 0
+
+
+def test_per_slot_streams_take_over_retained_prefixes():
+    """adopt_retained with max_storage_ids (llama.cpp's per-slot streams, as llama-server's slots): a hit
+    on a retained prefix takes its storage over instead of copying it, to the token; a hit on less than
+    half of what one holds computes afresh; a new sequence beyond the ids drops the least recently used."""
+    d = Driver(32, builtin_block_hash, per_sequence_storage=True, retain_prefixes=4, adopt_retained=True,
+               max_storage_ids=2)
+    m, st = d.m, d.storage
+    d.allocate("A", P + [1, 2, 3])
+    m.mark_computed("A")
+    d.free("A")  # retained: its whole computed blocks, P
+    (ra, table), = m.retained().items()
+    assert len(table) == 2 and st.tokens_of(m, ra) == P
+
+    b = d.allocate("B", P + [1, 9])  # 8 tokens hit: the whole of what ra holds
+    assert (b.adopted, b.prefix_source, b.num_cached_tokens) == (True, ra, 8)
+    assert m.retained() == {} and st.tokens_of(m, "B") == P + [1, 9]
+    m.mark_computed("B")
+    d.free("B")
+    (rb, _), = m.retained().items()
+
+    c = d.allocate("C", P[:4] + [7, 7, 7, 7, 7])  # 4 of rb's 8 tokens: half, taken over
+    assert (c.adopted, c.num_cached_tokens) == (True, 4)
+    m.mark_computed("C")
+    d.free("C")
+    (rc, held), = m.retained().items()
+    assert len(held) == 2  # P[:4] + [7, 7, 7, 7]
+
+    e = d.allocate("E", P[:4] + [5])  # 4 of rc's 8 tokens... and 4 is half: taken over
+    assert e.adopted and e.num_cached_tokens == 4
+    d.free("E")  # its reused block stays retained
+    (re, held), = m.retained().items()
+    assert st.tokens_of(m, re) == P[:4]
+
+    # ids: two live sequences use both; a new one beyond them drops the least recently used prefix.
+    d.allocate("F", [9, 9, 9, 9, 9, 9, 9, 9, 1])
+    m.mark_computed("F")
+    g = d.allocate("G", [8, 8, 8, 8, 8, 8, 8, 8, 1])  # F and E's prefix hold both ids: E's goes
+    assert [op.seq_id for op in g.retained_ops] == [re] and m.retained() == {}
+    m.mark_computed("G")
+    d.free("F"), d.free("G")
+    rf, rg = m.retained()
+    h = d.allocate("H", [6, 6, 6, 6, 6])  # no hit: needs an id, the least recently used (F's) goes
+    assert not h.adopted and h.num_cached_tokens == 0 and list(m.retained()) == [rg]
+    assert [type(op).__name__ for op in h.retained_ops] == ["FreeEvent"] and h.retained_ops[0].seq_id == rf
+    short = d.allocate("S", [8, 8, 8, 8, 2])  # 4 of rg's 8 tokens: half, taken over (ids: H + S)
+    assert short.adopted and m.retained() == {}
+    d.free("S"), d.free("H")
+    tiny = d.allocate("T", [6, 6, 6, 6, 6, 6, 6, 6, 6])  # H's computed nothing: no hit at all
+    assert tiny.num_cached_tokens == 0
+    d.free("T")
+
+
+def test_a_hit_on_little_of_a_retained_prefix_is_not_taken_over():
+    d = Driver(32, builtin_block_hash, per_sequence_storage=True, retain_prefixes=4, adopt_retained=True)
+    m, st = d.m, d.storage
+    long = list(range(20, 40))
+    d.allocate("A", P[:4] + long)  # 24 tokens: six whole blocks retained
+    m.mark_computed("A")
+    d.free("A")
+    (ra, table), = m.retained().items()
+    b = d.allocate("B", P[:4] + [1, 2])  # its first block only: 4 of 24, computed afresh
+    assert (b.adopted, b.num_cached_tokens, list(m.retained())) == (False, 0, [ra])
+    assert st.tokens_of(m, ra) == P[:4] + long and st.tokens_of(m, "B") == P[:4] + [1, 2]
 
 
 def test_retained_prefixes_are_capped_least_recently_used_first():

@@ -30,19 +30,26 @@ class PagedKVMachine(RuleBasedStateMachine):
 
     @initialize(num_blocks=st.integers(3, 16), per_sequence_storage=st.booleans(), retain=st.sampled_from([0, 1, 3]),
                 retain_blocks=st.sampled_from([None, 0, 2, 5]), retain_once=st.sampled_from([None, 0, 1, 3]),
-                window=st.sampled_from([None, None, 5, 9]))
+                window=st.sampled_from([None, None, 5, 9]), adopt=st.booleans(), ids=st.sampled_from([None, 2, 4]))
     def pool(self, num_blocks: int, per_sequence_storage: bool, retain: int, retain_blocks: int | None,
-             retain_once: int | None, window: int | None) -> None:
+             retain_once: int | None, window: int | None, adopt: bool, ids: int | None) -> None:
         window = None if per_sequence_storage else window  # a sliding window needs a block pool
+        # llama.cpp's per-slot streams: retained prefixes are taken over, and share the streams with live ones
+        adopt, ids = (adopt, ids if adopt else None) if per_sequence_storage else (False, None)
+        self.ids = ids
         self.d = Driver(num_blocks, builtin_block_hash, per_sequence_storage=per_sequence_storage,
                         retain_prefixes=retain, retain_blocks=retain_blocks, retain_once_blocks=retain_once,
-                        sliding_window=window)
+                        sliding_window=window, adopt_retained=adopt, max_storage_ids=ids)
         self.m = self.d.m
         self.window = window
 
     # ------------------------------------------------------------------ helpers
     def live(self) -> list[int]:
         return sorted(self.m.seq_ids())
+
+    def id_free(self) -> bool:
+        """A new sequence may start: the scheduler admits no more live ones than the storage has ids."""
+        return self.ids is None or len(self.live()) < self.ids
 
     def pick(self, index: int) -> int:
         seqs = self.live()
@@ -70,6 +77,7 @@ class PagedKVMachine(RuleBasedStateMachine):
         return plan
 
     # ------------------------------------------------------------------ rules
+    @precondition(lambda self: self.id_free())
     @rule(prefix=st.sampled_from(PREFIXES), cut=st.integers(1, 12), tail=st.lists(st.integers(0, 3), max_size=3))
     def allocate(self, prefix: list[int], cut: int, tail: list[int]) -> None:
         self.planned(self.d.allocate, self.next_id, prefix[:cut] + tail)
@@ -87,7 +95,7 @@ class PagedKVMachine(RuleBasedStateMachine):
         done, total = self.m.num_computed_tokens(s), self.m.num_tokens(s)
         self.m.mark_computed(s, done + round((total - done) * fraction))
 
-    @precondition(lambda self: any(True for _ in self.m.seq_ids()))
+    @precondition(lambda self: any(True for _ in self.m.seq_ids()) and self.id_free())
     @rule(index=st.integers(0, 63))
     def fork(self, index: int) -> None:
         parent = self.pick(index)
@@ -111,7 +119,7 @@ class PagedKVMachine(RuleBasedStateMachine):
         self.preempted[s] = list(self.m.token_ids(s))
         self.d.free(s)
 
-    @precondition(lambda self: bool(self.preempted))
+    @precondition(lambda self: bool(self.preempted) and self.id_free())
     @rule(index=st.integers(0, 63))
     def readmit(self, index: int) -> None:
         s = sorted(self.preempted)[index % len(self.preempted)]
@@ -131,6 +139,9 @@ class PagedKVMachine(RuleBasedStateMachine):
     def consistent(self) -> None:
         if hasattr(self, "d"):
             check_invariants(self.d)
+            if self.ids is not None:  # the storage never holds more sequences than it has ids
+                tags = {t for _, _, tags in self.d.storage.cells.values() for t in tags}
+                assert len(self.live()) + self.m.stats().num_retained <= self.ids and len(tags) <= self.ids
 
     def teardown(self) -> None:
         if not hasattr(self, "d"):

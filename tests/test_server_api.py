@@ -397,13 +397,15 @@ def test_retained_prefixes_serve_later_requests_and_yield_their_cells():
         engine.executor.close()
 
 
-def test_a_repeated_prompt_computes_only_its_last_token():
-    """llama-server's slots reuse a finished prompt to the token; so does the default unified pool: the
-    retained prefix holds the whole block after the hit blocks token by token, so a prompt asked again
-    reuses all its tokens but the last (not only its whole 16-token blocks), and answers as it did (the
-    first ask computed the prompt as one batch of under 48 tokens, which flash attention computes as it
-    computes one token alone: bench/results/llamacpp_cells.json)."""
-    engine, _ = build_engine(ServeOptions(MODEL, max_num_seqs=2, max_model_len=256, threads=1))
+@pytest.mark.parametrize("unified", [True, False], ids=["unified", "per-slot"])
+def test_a_repeated_prompt_computes_only_its_last_token(unified):
+    """llama-server's slots reuse a finished prompt to the token; so do both layouts: the retained
+    prefix holds the block after the hit blocks token by token, so a prompt asked again reuses all its
+    tokens but the last (not only its whole 16-token blocks), and answers as it did (the first ask
+    computed the prompt as one batch of under 48 tokens, which flash attention computes as it computes
+    one token alone: bench/results/llamacpp_cells.json). Per-slot, the request takes over the stream that
+    kept the prompt (no copy), and the prefix is gone from the retained ones."""
+    engine, _ = build_engine(ServeOptions(MODEL, max_num_seqs=2, max_model_len=256, threads=1, kv_unified=unified))
     tok = engine.tokenizer
     prompt = tok.encode("The lighthouse keeper climbed the stairs every evening, counting each step. " * 4)[:41]
     assert len(prompt) == 41 and len(prompt) % 16  # two whole blocks and 9 tokens into the third
@@ -426,9 +428,11 @@ def test_a_repeated_prompt_computes_only_its_last_token():
         deadline = time.monotonic() + 10
         while engine.snapshot()["kv_used"] and time.monotonic() < deadline:  # "a" is retained, not running
             time.sleep(0.02)
+        assert engine.manager.stats().num_retained == 1
         again, hits = ask("b")
         assert hits == len(prompt) - 1  # was 32: the two whole blocks only
         assert again == first
+        assert engine.executor.storage.num_used_slots == engine.manager.stats().num_retained == 1
     finally:
         engine.stop()
         engine.executor.close()

@@ -41,8 +41,10 @@ from edgefinfer.errors import UserError
 @click.option("--kv-cells", type=click.IntRange(16), default=None,
               help="Cells of the unified pool (default: --max-num-seqs x --max-model-len).")
 @click.option("--retain-prefixes", type=click.IntRange(0), default=None,
-              help="Unified layout: finished requests' prompts kept in the pool for later prefix hits, until "
-                   "their blocks are needed (default 64; 0 = off).")
+              help="Finished requests' prompts kept for later prefix hits, until their blocks are needed (unified "
+                   "layout, default 64), or in the streams their requests left, each taken over by the next "
+                   "request that starts with it (per-slot, as llama-server's slots; default --max-num-seqs, 0 "
+                   "with --batch-invariant or --preemption swap); 0 = off.")
 @click.option("--retain-tokens", type=click.IntRange(0), default=None,
               help="Unified layout: at most this many tokens that only retained prefixes hold, beyond what "
                    "running requests hold, of prompts no second request used; 4 times as many with prefixes that "

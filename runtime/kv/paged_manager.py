@@ -127,7 +127,10 @@ class SlotPlan:
     new_block_ids:   blocks taken from the pool by this call (copy-on-write targets included)
     evicted_block_ids: those of the new blocks whose cached contents were evicted to make room
     copy_ops:        copy-on-write copies to run before the forward that writes slot_mapping
-    retained_ops:    retained prefixes cut or dropped because their blocks were evicted (first)
+    retained_ops:    retained prefixes cut or dropped because their blocks were evicted, or for a
+                     storage id (`max_storage_ids`) (first)
+    adopted:         `prefix_source` is a retained prefix whose storage this sequence takes over
+                     (`adopt_retained`): `storage.adopt` instead of `share_prefix`
     """
 
     seq_id: SeqId
@@ -141,6 +144,7 @@ class SlotPlan:
     evicted_block_ids: tuple[int, ...] = ()
     copy_ops: tuple[CopyOp, ...] = ()
     retained_ops: tuple[TruncateEvent | FreeEvent, ...] = ()
+    adopted: bool = False
 
     @property
     def num_new_tokens(self) -> int:
@@ -150,7 +154,9 @@ class SlotPlan:
         """Make the storage ready for the forward that writes `slot_mapping`."""
         for op in self.retained_ops:
             op.apply_to(storage)
-        if self.num_cached_tokens:
+        if self.adopted:
+            storage.adopt(self.prefix_source, self.seq_id, self.num_cached_tokens)
+        elif self.num_cached_tokens:
             storage.share_prefix(self.seq_id, self.prefix_source, self.cached_block_ids, self.num_cached_tokens)
         if self.copy_ops:
             storage.copy_blocks(self.copy_ops)
@@ -179,8 +185,11 @@ class ForkEvent:
     child_id: SeqId
     block_ids: tuple[int, ...]
     num_tokens: int
+    dropped: tuple[FreeEvent, ...] = ()  # retained prefixes dropped for a storage id (`max_storage_ids`)
 
     def apply_to(self, storage: KVStorage) -> None:
+        for op in self.dropped:
+            op.apply_to(storage)
         storage.fork(self.parent_id, self.child_id, self.num_tokens)
 
 
@@ -277,12 +286,24 @@ class PagedKVManager:
                            while prefixes that requests do share may use the rest.
     sliding_window:        the model attends to the last this many positions only; blocks behind
                            every future query's window are dropped (see the module doc).
+    adopt_retained:        a storage whose sequences each own their storage (llama.cpp's per-slot
+                           streams), where copying a prefix copies a whole stream but taking over one
+                           costs nothing: a hit on a retained prefix takes its storage over
+                           (`SlotPlan.adopted`; llama-server's slots keep each finished prompt and
+                           hand it to the next request that starts with it), if the hit is at least
+                           half of what it holds (else the prompt is computed afresh: a short shared
+                           header must not cost another request its system prompt). Retained
+                           prefixes are preferred over live sequences as sources.
+    max_storage_ids:       live sequences and retained prefixes together at most (the storage's ids:
+                           llama.cpp's streams); a new sequence that needs one drops the least
+                           recently used retained prefix.
     """
 
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
                  per_sequence_storage: bool = False, hash_fn: BlockHashFn = sha256_block_hash,
                  retain_prefixes: int = 0, retain_blocks: int | None = None,
-                 retain_once_blocks: int | None = None, sliding_window: int | None = None):
+                 retain_once_blocks: int | None = None, sliding_window: int | None = None,
+                 adopt_retained: bool = False, max_storage_ids: int | None = None):
         if block_size < 1:
             raise UserError(f"block_size must be at least 1 token, got {block_size}; 16 is a common choice")
         if retain_prefixes < 0 or any(n is not None and n < 0 for n in (retain_blocks, retain_once_blocks)):
@@ -294,6 +315,15 @@ class PagedKVManager:
             # llama.cpp keeps a sequence's cells itself; its own windowed cache would have to drop them.
             raise UserError("a sliding window needs a block-tensor storage (the torch executor); "
                             "a per-sequence storage (llama.cpp) keeps every cell of a sequence")
+        if (adopt_retained or max_storage_ids is not None) and not per_sequence_storage:
+            raise UserError("adopt_retained and max_storage_ids need a per-sequence storage (llama.cpp)")
+        if max_storage_ids is not None and not adopt_retained:
+            # a retained prefix that a hit copies from would need an id beside the new sequence's
+            raise UserError("max_storage_ids needs adopt_retained (llama.cpp's per-slot streams)")
+        if max_storage_ids is not None and max_storage_ids < 1:
+            raise UserError(f"max_storage_ids must be at least 1, got {max_storage_ids}")
+        self.adopt_retained = adopt_retained
+        self.max_storage_ids = max_storage_ids
         self.sliding_window = sliding_window
         self.retain_blocks = retain_blocks
         self.retain_once_blocks = retain_once_blocks
@@ -376,12 +406,17 @@ class PagedKVManager:
             raise ValueError(f"sequence {seq_id!r}: allocate needs at least one token")
         tokens = list(token_ids)
         hashes, hits = self._longest_cached_prefix(tokens) if self.enable_prefix_caching else ([], [])
-        source, holder, extra = None, None, 0
+        source, extra = None, 0
         if hits and self.per_sequence_storage:
             source, n = self._prefix_source(hits)
             del hashes[n:], hits[n:]
+        whole_blocks_source = source
         if self.per_sequence_storage and self.enable_prefix_caching:
             holder, extra = self._partial_block(tokens, hits)
+            source = holder if extra else source
+        if (self.adopt_retained and isinstance(source, RetainedPrefix)
+                and 2 * (len(hits) * self.block_size + extra) < len(self._retained_tokens[source])):
+            hashes, hits, extra, source = [], [], 0, None  # too little of it to take it over: see adopt_retained
         num_new = _cdiv(len(tokens), self.block_size) - len(hits)
         # A hit on a cached (unreferenced) block takes it out of the free queue too.
         needed = num_new + sum(self.pool.ref_count(b) == 0 for b in hits)
@@ -390,18 +425,21 @@ class PagedKVManager:
         # A retained holder's block after the hits is cached, not held: this very call must not evict
         # it, so it is held while blocks are taken (where there is room for that; else no partial hit).
         guard = []
-        if extra and isinstance(holder, RetainedPrefix):
-            block = self._retained[holder][len(hits)]
+        if extra and isinstance(source, RetainedPrefix):
+            block = self._retained[source][len(hits)]
             guard = [block] if self.pool.ref_count(block) == 0 else []
             if guard and needed + 1 > self.pool.num_free:
-                guard, extra = [], 0
-        source = holder if extra else source
+                guard, extra, source = [], 0, whole_blocks_source
+        adopted = self.adopt_retained and isinstance(source, RetainedPrefix)
 
         self.pool.touch(hits + guard)  # before take(): a hit block must not be evicted for this very sequence
         if isinstance(source, RetainedPrefix):
             self._retained.move_to_end(source)
+        id_ops = [] if adopted else self._free_storage_id(keep=source)
         new, evicted, retained_ops = self._take(num_new)
         self.pool.release(guard)  # back in the queue, as recently used
+        if adopted:  # the retained prefix is gone: its storage is this sequence's now
+            self._cut_retained(source, 0)
         num_cached = len(hits) * self.block_size + extra
         seq = _Seq(tokens, hits + new, num_computed=num_cached, block_hashes=hashes)
         self._seqs[seq_id] = seq
@@ -409,7 +447,8 @@ class PagedKVManager:
             self._prefix_queries += len(tokens)
             self._prefix_hits += num_cached
         return SlotPlan(seq_id, tuple(seq.block_ids), num_cached, self._slots(seq, num_cached, len(tokens)),
-                        num_cached, tuple(hits), source, tuple(new), tuple(evicted), retained_ops=retained_ops)
+                        num_cached, tuple(hits), source, tuple(new), tuple(evicted),
+                        retained_ops=(*id_ops, *retained_ops), adopted=adopted)
 
     def append(self, seq_id: SeqId, token_ids: Sequence[int]) -> SlotPlan | NoRoom:
         """Plan slots for tokens that extend a sequence (a decode token, or it and draft tokens)."""
@@ -474,9 +513,10 @@ class PagedKVManager:
             raise ValueError(f"sequence {parent_id!r}: fork after its {len(parent.token_ids)} tokens are "
                              f"computed (mark_computed), not at {parent.num_computed}")
         self.pool.touch([b for b in parent.block_ids if b != NULL_BLOCK])
+        dropped = self._free_storage_id()
         self._seqs[child_id] = _Seq(list(parent.token_ids), list(parent.block_ids), parent.num_computed,
                                     list(parent.block_hashes))
-        return ForkEvent(parent_id, child_id, tuple(parent.block_ids), len(parent.token_ids))
+        return ForkEvent(parent_id, child_id, tuple(parent.block_ids), len(parent.token_ids), tuple(dropped))
 
     def truncate(self, seq_id: SeqId, num_tokens: int) -> TruncateEvent:
         """Keep the first `num_tokens` tokens (drop rejected draft tokens), like
@@ -637,6 +677,27 @@ class PagedKVManager:
             parent = h
         return hashes, blocks
 
+    def _free_storage_id(self, keep: SeqId | None = None) -> list[FreeEvent]:
+        """Drop least recently used retained prefixes (never `keep`) until a new sequence has a storage
+        id within `max_storage_ids`."""
+        ops: list[FreeEvent] = []
+        while self.max_storage_ids is not None and len(self._seqs) + len(self._retained) >= self.max_storage_ids:
+            victim = next((r for r in self._retained if r != keep), None)
+            if victim is None:
+                raise ValueError(f"{len(self._seqs)} live sequences hold every one of the storage's "
+                                 f"{self.max_storage_ids} ids; admit fewer")
+            ops.append(self._cut_retained(victim, 0))
+        return ops
+
+    def _holders(self) -> Iterator[tuple[SeqId, list[int], int, Sequence[int]]]:
+        """(id, block table, computed tokens, token ids) of every sequence whose storage may serve a
+        prefix: live ones, then retained ones most recently used first (retained ones first with
+        `adopt_retained`, where taking one over is free and copying from a live one is not)."""
+        bs = self.block_size
+        live = ((sid, s.block_ids, s.num_computed, s.token_ids) for sid, s in self._seqs.items())
+        kept = ((rid, t, len(t) * bs, self._retained_tokens[rid]) for rid, t in reversed(self._retained.items()))
+        return itertools.chain(kept, live) if self.adopt_retained else itertools.chain(live, kept)
+
     def _partial_block(self, tokens: list[int], hits: list[int]) -> tuple[SeqId | None, int]:
         """Per-sequence storage: (holder, m), a sequence (live, or a retained prefix) whose first blocks
         are `hits` and whose storage holds, computed, the next m tokens of `tokens` too, m as large as
@@ -649,11 +710,8 @@ class PagedKVManager:
         if limit <= 0:
             return None, 0
         want = tokens[start:start + limit]
-        holders = itertools.chain(((sid, s.block_ids, s.num_computed, s.token_ids) for sid, s in self._seqs.items()),
-                                  ((rid, t, len(t) * bs, self._retained_tokens[rid])
-                                   for rid, t in reversed(self._retained.items())))
         best, best_m = None, 0
-        for sid, table, num_computed, held in holders:
+        for sid, table, num_computed, held in self._holders():
             if num_computed <= start or table[:k] != hits or len(table) <= k or table[k] == NULL_BLOCK:
                 continue
             m, stop = 0, min(limit, num_computed - start)
@@ -670,10 +728,8 @@ class PagedKVManager:
         run's length in blocks. A sequence truncated into a shared block holds it only in part, so
         holding the block id is not enough."""
         best, best_n = None, 0
-        holders = itertools.chain(((sid, s.block_ids, s.num_computed // self.block_size) for sid, s in self._seqs.items()),
-                                  ((rid, t, len(t)) for rid, t in reversed(self._retained.items())))
-        for sid, table, num_full in holders:
-            limit = min(len(hits), num_full)
+        for sid, table, num_computed, _ in self._holders():
+            limit = min(len(hits), num_computed // self.block_size)
             n = 0
             while n < limit and table[n] == hits[n]:
                 n += 1

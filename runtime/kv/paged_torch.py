@@ -60,6 +60,9 @@ class PagedTensorStorage:
     def retain(self, seq_id: SeqId, retained_id: SeqId, num_tokens: int) -> None:
         pass  # never called: a block pool caches freed blocks itself (per_sequence_storage=False)
 
+    def adopt(self, retained_id: SeqId, seq_id: SeqId, num_tokens: int) -> None:
+        pass  # never called: no retained prefixes in a block pool
+
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
 

@@ -31,6 +31,8 @@ the manager's blocks only do the accounting. Then:
     truncate      llama_memory_seq_rm(mem, seq, num_tokens, -1)
     release       llama_memory_seq_rm(mem, seq, -1, -1), and the llama seq id returns to its pool
     retain        the llama seq id now stands for a retained prefix; seq_rm(seq, num_tokens, -1)
+    adopt         the retained prefix's llama seq id now stands for the new sequence; seq_rm(seq,
+                  num_tokens, -1): no copy (one stream per sequence, as llama-server's slots)
 
 A llama cell lives only as long as a sequence tags it, so build the manager with
 `per_sequence_storage=True`: it then keeps no block cached once its last holder is gone (unless a
@@ -90,4 +92,10 @@ class KVStorage(Protocol):
         """`seq_id` is gone, but its first `num_tokens` tokens stay stored under `retained_id`
         (a `RetainedPrefix`; per-sequence storages only). llama.cpp: the llama seq id moves to
         `retained_id`, then seq_rm(seq, num_tokens, -1)."""
+        ...
+
+    def adopt(self, retained_id: SeqId, seq_id: SeqId, num_tokens: int) -> None:
+        """A new sequence takes over the storage of the retained prefix `retained_id`, which is gone,
+        and keeps its first `num_tokens` tokens (`adopt_retained` managers only). llama.cpp: the llama
+        seq id moves to `seq_id`, then seq_rm(seq, num_tokens, -1)."""
         ...
