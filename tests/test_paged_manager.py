@@ -362,8 +362,8 @@ def test_retained_prefix_outlives_its_sequence_until_evicted(hash_fn):
 
 def test_per_slot_streams_take_over_retained_prefixes():
     """adopt_retained with max_storage_ids (llama.cpp's per-slot streams, as llama-server's slots): a hit
-    on a retained prefix takes its storage over instead of copying it, to the token; a hit on less than
-    half of what one holds computes afresh; a new sequence beyond the ids drops the least recently used."""
+    on a retained prefix takes its storage over instead of copying it, to the token; a new sequence
+    beyond the ids drops the least recently used."""
     d = Driver(32, builtin_block_hash, per_sequence_storage=True, retain_prefixes=4, adopt_retained=True,
                max_storage_ids=2)
     m, st = d.m, d.storage
@@ -413,6 +413,7 @@ def test_per_slot_streams_take_over_retained_prefixes():
 
 
 def test_a_hit_on_little_of_a_retained_prefix_is_not_taken_over():
+    """Under half of the new prompt and of what the retained prefix holds: computed afresh, the prefix kept."""
     d = Driver(32, builtin_block_hash, per_sequence_storage=True, retain_prefixes=4, adopt_retained=True)
     m, st = d.m, d.storage
     long = list(range(20, 40))
@@ -420,9 +421,13 @@ def test_a_hit_on_little_of_a_retained_prefix_is_not_taken_over():
     m.mark_computed("A")
     d.free("A")
     (ra, table), = m.retained().items()
-    b = d.allocate("B", P[:4] + [1, 2])  # its first block only: 4 of 24, computed afresh
+    other = list(range(50, 60))
+    b = d.allocate("B", P[:4] + other)  # its first block only: 4 of its 14 tokens and of ra's 24, afresh
     assert (b.adopted, b.num_cached_tokens, list(m.retained())) == (False, 0, [ra])
-    assert st.tokens_of(m, ra) == P[:4] + long and st.tokens_of(m, "B") == P[:4] + [1, 2]
+    assert st.tokens_of(m, ra) == P[:4] + long and st.tokens_of(m, "B") == P[:4] + other
+    d.free("B")
+    c = d.allocate("C", P[:4] + [1, 2])  # 4 of its 6 tokens: most of the prompt, taken over
+    assert (c.adopted, c.num_cached_tokens) == (True, 4) and st.tokens_of(m, "C") == P[:4] + [1, 2]
 
 
 def test_retained_prefixes_are_capped_least_recently_used_first():

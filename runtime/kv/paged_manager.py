@@ -291,9 +291,10 @@ class PagedKVManager:
                            costs nothing: a hit on a retained prefix takes its storage over
                            (`SlotPlan.adopted`; llama-server's slots keep each finished prompt and
                            hand it to the next request that starts with it), if the hit is at least
-                           half of what it holds (else the prompt is computed afresh: a short shared
-                           header must not cost another request its system prompt). Retained
-                           prefixes are preferred over live sequences as sources.
+                           half of the new prompt or of what the prefix holds (else the prompt is
+                           computed afresh: a short shared header must not cost a long prompt
+                           another's system prompt). Retained prefixes are preferred over live
+                           sequences as sources.
     max_storage_ids:       live sequences and retained prefixes together at most (the storage's ids:
                            llama.cpp's streams); a new sequence that needs one drops the least
                            recently used retained prefix.
@@ -414,9 +415,9 @@ class PagedKVManager:
         if self.per_sequence_storage and self.enable_prefix_caching:
             holder, extra = self._partial_block(tokens, hits)
             source = holder if extra else source
-        if (self.adopt_retained and isinstance(source, RetainedPrefix)
-                and 2 * (len(hits) * self.block_size + extra) < len(self._retained_tokens[source])):
-            hashes, hits, extra, source = [], [], 0, None  # too little of it to take it over: see adopt_retained
+        if (self.adopt_retained and isinstance(source, RetainedPrefix) and 2 * (len(hits) * self.block_size + extra)
+                < min(len(tokens), len(self._retained_tokens[source]))):
+            hashes, hits, extra, source = [], [], 0, None  # too little in common to take it over: see adopt_retained
         num_new = _cdiv(len(tokens), self.block_size) - len(hits)
         # A hit on a cached (unreferenced) block takes it out of the free queue too.
         needed = num_new + sum(self.pool.ref_count(b) == 0 for b in hits)
