@@ -120,8 +120,8 @@ class SlotPlan:
     start_pos:       position of the first new token (the tokens before it are in storage or planned)
     slot_mapping:    [num_new_tokens] flat slot of each new token: block_id * block_size + offset
     num_cached_tokens / cached_block_ids: the prefix reused from the cache (allocate only); with
-                     per-sequence storage, up to block_size - 1 tokens more than the cached blocks
-                     hold, from `prefix_source`'s cells (the first new block's leading tokens)
+                     per-sequence storage, up to a block's worth of tokens more than the cached
+                     blocks hold, from `prefix_source`'s cells (the first new block's leading tokens)
     prefix_source:   with `per_sequence_storage`, a live sequence (or a `RetainedPrefix`) whose
                      storage holds that prefix
     new_block_ids:   blocks taken from the pool by this call (copy-on-write targets included)
