@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from edgefinfer.files import hashes as file_hash
+from edgefinfer.files import hashes as file_hash, stamped
 from edgefinfer.bundle.manifest import BundleWriter, load_manifest
 from edgefinfer.errors import UserError
 
@@ -18,7 +18,7 @@ from edgefinfer.errors import UserError
 def reads(monkeypatch, tmp_path):
     """The files sha256_file hashed (the store in a fresh cache; files count as settled at once)."""
     monkeypatch.setenv("EDGEFINFER_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(file_hash, "SETTLED_S", 0.0)
+    monkeypatch.setattr(stamped, "SETTLED_S", 0.0)
     seen: list[str] = []
     real = file_hash.sha256_file
 

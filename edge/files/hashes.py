@@ -5,7 +5,7 @@ and a session file names its artefact's. Hashing reads the whole file, and the r
 it again: every `edgefinfer run` read the weights twice (112 MB for the linux-x86_64 bundle). `known_sha256`
 remembers a digest per version of the file (`edgefinfer.files.stamped`: its identity and change stamps,
 in `cache_dir() / "sha256-stamps.json"`); while they are unchanged the weights are read once, by the
-runtime. A file changed less than `SETTLED_S` ago is hashed but not remembered.
+runtime. A file changed less than `stamped.SETTLED_S` ago is hashed but not remembered.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from pathlib import Path
 from edgefinfer.files import stamped
 
 STORE = "sha256-stamps.json"
-SETTLED_S = stamped.SETTLED_S
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
@@ -29,4 +28,4 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
 
 def known_sha256(path: str | Path) -> str:
     """`sha256_file(path)`, remembered while the file's stamps are those it was hashed under."""
-    return stamped.remembered(path, STORE, lambda p: sha256_file(p), settled_s=SETTLED_S)
+    return stamped.remembered(path, STORE, lambda p: sha256_file(p))

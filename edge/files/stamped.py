@@ -8,7 +8,7 @@ mtime, ctime), in `cache_dir() / store`; while they are unchanged the value is t
 write to the file, or a rename over it, changes its ctime or inode, and ctime cannot be set back by a
 user (only by changing the system clock), so a changed file is computed again. File timestamps are
 coarse (a kernel tick): a write in the same tick as the computation could keep every stamp, so a value
-is remembered only for a file whose last change is at least `settled_s` old when it is computed (git's
+is remembered only for a file whose last change is at least `SETTLED_S` old when it is computed (git's
 index treats "racily clean" files the same way). `tag` names the code that computed the value (a
 checker's version): an entry under another tag is computed again.
 
@@ -38,11 +38,9 @@ def stamp(st: os.stat_result) -> list[int]:
 
 
 def remembered(path: str | Path, store: str, compute: Callable[[Path], T], *, tag: str = "",
-               encode: Callable[[T], Any] = lambda v: v, decode: Callable[[Any], T] = lambda v: v,
-               settled_s: float | None = None) -> T:
+               encode: Callable[[T], Any] = lambda v: v, decode: Callable[[Any], T] = lambda v: v) -> T:
     """`compute(path)`, or the value remembered in `store` while the file's stamps (and `tag`) are those
-    it was computed under. settled_s: `SETTLED_S` unless given."""
-    settled_s = SETTLED_S if settled_s is None else settled_s
+    it was computed under."""
     path = Path(path)
     st = os.stat(path)
     key = str(path.resolve())
@@ -54,7 +52,7 @@ def remembered(path: str | Path, store: str, compute: Callable[[Path], T], *, ta
         except (TypeError, ValueError, KeyError, IndexError):
             pass  # a damaged entry: computed again below
     value = compute(path)
-    if time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) >= settled_s * 1e9:
+    if time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) >= SETTLED_S * 1e9:
         entries.pop(key, None)
         entries[key] = [*stamp(st), tag, encode(value)]
         _save(store, dict(list(entries.items())[-MAX_ENTRIES:]))
