@@ -75,7 +75,9 @@ def content_key(kind: str, model: nn.Module, options: Mapping[str, Any], sources
     for src in (*sources, __file__, artefact.__file__):  # artefact writes the programs' constant methods
         h.update(Path(src).read_bytes())
     for name, module in model.named_modules():  # a quantized layer and a float one can share tensor names
-        h.update(f"{name}:{type(module).__module__}.{type(module).__qualname__};".encode())
+        # ... and two quantized ones their tensors: extra_repr names what is not a tensor (int8 activations,
+        # split or not), which changes the program as much as a weight does
+        h.update(f"{name}:{type(module).__module__}.{type(module).__qualname__}({module.extra_repr()});".encode())
     seen: set[int] = set()
     for name, t in sorted(model.state_dict().items()):
         if t.data_ptr() in seen and t.numel():  # tied weights are hashed once (their names still are)

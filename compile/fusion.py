@@ -37,11 +37,11 @@ def stack_rows(linears: list[nn.Module]) -> nn.Module | None:
     if not all(type(m) is QuantLinear for m in linears):
         return None
     same = all(m.fmt == first.fmt and m.group_size == first.group_size and m.act_quant == first.act_quant
-               and (m.bias is None) == (first.bias is None) for m in linears)
+               and m.act_split == first.act_split and (m.bias is None) == (first.bias is None) for m in linears)
     if not same:
         return None
     out = QuantLinear(first.in_features, sum(m.out_features for m in linears), first.fmt, first.bias is not None,
-                      first.act_quant)
+                      first.act_quant, act_split=first.act_split)
     out.qweight = torch.cat([m.qweight for m in linears])
     out.scales = torch.cat([m.scales for m in linears])
     out.zeros = torch.cat([m.zeros for m in linears])

@@ -71,6 +71,26 @@ def test_the_key_follows_weights_options_and_exporter_source(model, tmp_path):
     assert content_key(KIND, model, opts, (edited, *CACHE_SOURCES[1:])) != key
 
 
+def test_the_key_follows_module_settings_that_are_not_tensors():
+    """Two quantized models with the same codes differ in what their linears do with activations (int8,
+    split in two rows): the programs differ, so must the keys (a split program was once served as the
+    unsplit one's)."""
+    import copy
+
+    from edgefinfer.compile.quant.apply import quantize_model
+    from edgefinfer.compile.quant.modules import QuantLinear
+    from edgefinfer.compile.quant.recipe import parse_recipe
+
+    quantized = tiny_model()
+    quantize_model(quantized, parse_recipe("8da4w-g32-fzp"))
+    split = copy.deepcopy(quantized)
+    for module in split.modules():
+        if isinstance(module, QuantLinear):
+            module.act_split = 8
+    opts = {"max_seq_len": 64}
+    assert content_key(KIND, split, opts, CACHE_SOURCES) != content_key(KIND, quantized, opts, CACHE_SOURCES)
+
+
 def test_the_executorch_key_covers_the_code_it_traces():
     """An ExecuTorch program is a trace of the model's forward and of the modules the quantizer's layouts
     swap in (OffsetLinear): an edit to either must miss the cache (it once reused a stale program)."""

@@ -225,14 +225,18 @@ def fzp_model(model):
 def test_float_zero_point_8da4w_runs_on_xnnpack_and_matches_eager(fzp_model, store, tmp_path, prompt):
     """8da4w-g32-fzp: the symmetric part on XNNPACK's qb4w kernel, the group offsets as a float linear
     (layouts.OffsetLinear); the .pte matches the eager module's split forward."""
-    quantized = fzp_model
-    path = tmp_path / "fzp.pte"
+    _check_xnnpack_program(fzp_model, tmp_path / "fzp.pte", store, prompt)
+
+
+def _check_xnnpack_program(quantized, path, store, prompt, left_out: tuple[str, ...] = ()):
+    """Export an 8da4w model: one XNNPACK graph per layer part, and logits equal to the eager model's."""
     _export(quantized, path, store, recipe="8da4w", max_seq_len=MAX_SEQ)
     forward = pte_delegates(path)["forward"]
     assert "XnnpackBackend" in forward["delegates"]
     # The group sums are mean-pools XNNPACK takes, and the norms' means are linears; a sum or a mean left
-    # outside would split every layer's graph into more delegates.
-    assert not any(op.startswith(("aten::sum", "aten::mean")) for op in forward["operators"]), forward["operators"]
+    # outside (or any of `left_out`) would split every layer's graph into more delegates.
+    outside = ("aten::sum", "aten::mean") + left_out
+    assert not any(op.startswith(outside) for op in forward["operators"]), forward["operators"]
     # Nor may a reshape with a symbolic size (XNNPACK takes only static sizes and one -1): per layer, one
     # delegate before the cache update, one between attention and the next layer's q|k|v split, one for RoPE.
     layers = quantized.config.num_hidden_layers
@@ -243,6 +247,24 @@ def test_float_zero_point_8da4w_runs_on_xnnpack_and_matches_eager(fzp_model, sto
     per_position = np.abs(got - want).max(-1)
     assert np.median(per_position) < 1e-4 and per_position.max() < 0.25, per_position
     assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.95
+
+
+def test_split_activations_run_as_one_delegate_per_layer_part_and_match_eager(model, store, tmp_path, prompt):
+    """8da4w-g32-fzp-split: every decoder linear's input as two int8 rows (layouts.OutlierSplitLinear);
+    the peak, the clipping, the stacked rows and their sum are all XNNPACK's, so a layer is cut only
+    where the fzp program is cut, and the .pte computes what the eager module computes."""
+    import copy
+
+    from edgefinfer.compile.quant import quantize_model
+    from edgefinfer.compile.quant.modules import QuantLinear
+    from edgefinfer.compile.quant.recipe import parse_recipe
+
+    quantized = copy.deepcopy(model).float().eval()
+    quantize_model(quantized, parse_recipe("8da4w-g32-fzp-split"))
+    split = [n for n, m in quantized.named_modules() if isinstance(m, QuantLinear) and m.act_split]
+    assert split and not any(n.startswith("lm_head") for n in split)
+    _check_xnnpack_program(quantized, tmp_path / "split.pte", store, prompt,
+                           left_out=("aten::max", "aten::minimum", "aten::maximum", "aten::permute", "aten::abs"))
 
 
 def test_lowering_shortcuts_would_have_changed_no_byte(fzp_model, tmp_path, monkeypatch):

@@ -16,7 +16,8 @@ from tests.helpers import tiny_model
 
 @pytest.mark.parametrize("name,tied", [("int4-g32", True), ("int4-gptq-g32-sym", False), ("8da4w-g32", True),
                                        ("int8", False), ("fp8", True), ("int4-g32-embf", False),
-                                       ("int4-gptq-g32-fzp", False), ("8da4w-g32-fzp", True)])
+                                       ("int4-gptq-g32-fzp", False), ("8da4w-g32-fzp", True),
+                                       ("8da4w-g32-fzp-split", False)])
 def test_round_trip_is_bit_exact(tmp_path, name, tied):
     model = tiny_model(tie_word_embeddings=tied)
     recipe = parse_recipe(name).with_overrides({"model.layers.1.mlp.up_proj": WeightFormat("int", 8, 32, True)})

@@ -154,6 +154,11 @@ def quantize_model(model: Transformer, recipe: QuantRecipe, calib: Tensor | None
         if fmt is None or not isinstance(module, nn.Linear):
             continue
         set_module(model, name, _quantized_linear(module, fmt, act_quant, name))
+    if recipe.outlier_split and act_quant:  # decoder linears only: the head's input is one norm's output
+        for layer in layers:
+            for module in layer.modules():
+                if isinstance(module, QuantLinear):
+                    module.act_split = recipe.outlier_split
 
     result.seconds = time.perf_counter() - t0
     result.size_bytes = model_size_bytes(model)

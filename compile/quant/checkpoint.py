@@ -43,6 +43,8 @@ def quantization_config(model: Transformer, recipe: QuantRecipe) -> dict[str, An
             if name == LM_HEAD and is_tied(model):
                 continue
             entry = {**module.fmt.to_dict(), "act_quant": bool(getattr(module, "act_quant", False))}
+            if getattr(module, "act_split", 0):  # written only when set, so other checkpoints stay as they were
+                entry["act_split"] = int(module.act_split)
             if isinstance(module, (QuantLinear, QuantEmbedding)):
                 entry["group"] = module.group_size  # resolved: per-channel is the row length
             modules[name] = entry
@@ -128,4 +130,4 @@ def _empty_module(model: Transformer, name: str, entry: dict[str, Any]) -> nn.Mo
     if fmt.kind == "fp8":
         return Fp8Linear(old.in_features, old.out_features, old.bias is not None)
     return QuantLinear(old.in_features, old.out_features, fmt, old.bias is not None, entry.get("act_quant", False),
-                       name)
+                       name, act_split=int(entry.get("act_split", 0)))

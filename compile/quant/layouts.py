@@ -28,7 +28,9 @@ against gguf-py's dequantizer, onnxruntime's MatMulNBits kernel and torchao's te
   `int8_asym_per_token` activation quantization, which XNNPACK lowers to its dynamically quantized
   linear. XNNPACK's 4-bit kernels want symmetric weights (the 8da4w recipes are); a float zero point
   (8da4w-*-fzp) becomes `OffsetLinear`: its symmetric part on XNNPACK's kernel plus a float linear
-  over the input's group sums (`QuantLinear.offset_split`), ordinary ops that every runner has.
+  over the input's group sums (`QuantLinear.offset_split`), ordinary ops that every runner has. A
+  split activation (`act_split`) becomes `OutlierSplitLinear`: two rows per token through the same
+  dynamically quantized linear.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import torch
 from torch import Tensor, nn
 
 from edgefinfer.compile.quant.modules import QuantEmbedding, QuantLinear, _IntStorage
+from edgefinfer.compile.quant.primitives import CLIP_TOP
 from edgefinfer.errors import UserError
 
 MATMULNBITS_BITS = (2, 4, 8)
@@ -244,6 +247,34 @@ class OffsetLinear(nn.Module):
         return self.linear(x) + offsets.reshape(*x.shape[:-2], -1, offsets.shape[-1])
 
 
+class OutlierSplitLinear(nn.Module):
+    """`QuantLinear.act_split` as XNNPACK runs it: each token's input split in two rows
+    (`primitives.split_outliers`), both through one dynamically quantized linear (its per-token int8
+    quantization gives each row its own step), and the two output rows added.
+
+    Shaped for XNNPACK's partitioner, so that the layer stays one delegate: the peak is a max.dim over
+    a 4-D [T, 1, 1, K] view (it takes 4-D inputs only), the rows stack on a static dim (a slice of the
+    token dim would be dynamic, which it refuses), and their sum is a mean over dims (2, 3) of a 4-D
+    [T, N, 2, 1] view times 2 (its global average pool; it has no sum). The mean of two values times 2
+    is their float sum exactly, so the .pte adds what the eager module adds."""
+
+    def __init__(self, linear: nn.Linear, ratio: int, bias: Tensor | None = None):
+        super().__init__()
+        if linear.bias is not None:
+            raise ValueError("the split linear must be bias-free: a bias would be added once per row")
+        self.linear, self.ratio = linear, ratio
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: Tensor) -> Tensor:  # [..., T, K] -> [..., T, N]
+        rows = x.reshape(-1, 1, 1, x.shape[-1])  # [T, 1, 1, K]
+        limit = rows.abs().max(3, keepdim=True).values * (1.0 / self.ratio)  # [T, 1, 1, 1]
+        clipped = torch.minimum(torch.maximum(rows, -limit), limit * CLIP_TOP)
+        y = self.linear(torch.cat([clipped, rows - clipped], dim=1))  # [T, 2, 1, N]
+        y = y.permute(0, 3, 1, 2).mean((2, 3), keepdim=True) * 2.0  # [T, N, 1, 1]: the two rows' sum
+        y = y.reshape(*x.shape[:-2], -1, y.shape[1])  # -1 for the token count: see OffsetLinear
+        return y if self.bias is None else y + self.bias
+
+
 def torchao_model(model: nn.Module, dtype: torch.dtype = torch.float32) -> nn.Module:
     """Swap (in place) every QuantLinear / QuantEmbedding for an nn.Linear / nn.Embedding whose weight
     is the equivalent torchao tensor, ready for torch.export + the XNNPACK partitioner. A tied head
@@ -255,14 +286,18 @@ def torchao_model(model: nn.Module, dtype: torch.dtype = torch.float32) -> nn.Mo
         key = (module.qweight.data_ptr(), bool(getattr(module, "act_quant", False)))
         if key not in converted:
             converted[key] = nn.Parameter(to_torchao(module, dtype), requires_grad=False)
+        split = isinstance(module, QuantLinear) and module.act_quant and module.act_split
         if isinstance(module, QuantLinear):
-            new: nn.Module = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
-                                       device="meta")
-            if module.bias is not None:
+            with_bias = module.bias is not None and not split  # a split linear adds its bias once, after
+            new: nn.Module = nn.Linear(module.in_features, module.out_features, bias=with_bias, device="meta")
+            if with_bias:
                 new.bias = nn.Parameter(module.bias.detach().to(dtype), requires_grad=False)
         else:
             new = nn.Embedding(module.num_embeddings, module.embedding_dim, device="meta")
         new.weight = converted[key]
+        if split:
+            bias = None if module.bias is None else module.bias.detach().to(dtype)
+            new = OutlierSplitLinear(new, module.act_split, bias)
         if isinstance(module, QuantLinear) and module.fmt.float_zero:
             new = OffsetLinear(new, module.offset_split()[1].to(dtype), module.group_size)
         parent_name, _, child = name.rpartition(".")

@@ -8,7 +8,8 @@ Each module stores exactly what an exporter needs and nothing derived:
 
 plus the format (bits, group size, symmetric). The eager forward dequantizes, so it computes with
 exactly the weights an integer kernel sees; a QuantLinear with `act_quant` also quantize-dequantizes
-its input per token to int8 (8da4w), as XNNPACK's dynamically quantized linear does.
+its input per token to int8 (8da4w), as XNNPACK's dynamically quantized linear does; with `act_split`
+as well, it quantizes each token's input in two parts (`split_outliers`), each by its own step.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from edgefinfer.compile.quant.primitives import (Fp8Weights, IntWeights, dequantize_fp8, dequantize_int,
-                                                 fake_quant_per_token_int8, zero_dtype)
+                                                 fake_quant_per_token_int8, split_outliers, zero_dtype)
 from edgefinfer.compile.quant.recipe import WeightFormat
 
 FLOAT_BYTES = 2  # unquantized tensors are counted at fp16/bf16, as they would be deployed
@@ -80,10 +81,13 @@ class _IntStorage(nn.Module):
 
 class QuantLinear(_IntStorage):
     def __init__(self, in_features: int, out_features: int, fmt: WeightFormat, bias: bool = False,
-                 act_quant: bool = False, where: str = "this layer"):
+                 act_quant: bool = False, where: str = "this layer", act_split: int = 0):
+        """act_split: with act_quant, k > 0 quantizes each token's input as two int8 rows, its values
+        clipped at 1/k of its largest magnitude and the rest beyond (`split_outliers`); 0: one row."""
         super().__init__(out_features, in_features, fmt, where)
         self.in_features, self.out_features = in_features, out_features
         self.act_quant = act_quant
+        self.act_split = act_split
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
 
     @classmethod
@@ -102,21 +106,27 @@ class QuantLinear(_IntStorage):
 
     def forward(self, x: Tensor) -> Tensor:  # [..., K] -> [..., N]
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        if self.act_quant and self.fmt.float_zero:
-            # As the .pte computes it: the symmetric part on int8 activations (XNNPACK's dynamically
-            # quantized linear), the group offsets on the float activations (a float linear).
-            w, offsets = self.offset_split()
-            y = F.linear(fake_quant_per_token_int8(x), w.to(x.dtype), bias)
-            return y + F.linear(group_sums(x, self.group_size), offsets.to(x.dtype))
-        if self.act_quant:
-            x = fake_quant_per_token_int8(x)
-        return F.linear(x, self.dequantized(x.dtype), bias)
+        if not self.act_quant:
+            return F.linear(x, self.dequantized(x.dtype), bias)
+        # As the .pte computes it: the symmetric part on int8 activations (XNNPACK's dynamically
+        # quantized linear), a float zero point's group offsets on the float activations (a float linear).
+        w, offsets = self.offset_split() if self.fmt.float_zero else (self.dequantized(), None)
+        w = w.to(x.dtype)
+        if self.act_split:
+            clipped, outliers = split_outliers(x, self.act_split)
+            y = F.linear(fake_quant_per_token_int8(clipped), w) + F.linear(fake_quant_per_token_int8(outliers), w)
+        else:
+            y = F.linear(fake_quant_per_token_int8(x), w)
+        if offsets is not None:
+            y = y + F.linear(group_sums(x, self.group_size), offsets.to(x.dtype))
+        return y if bias is None else y + bias
 
     def packed_bytes(self) -> int:
         return super().packed_bytes() + (0 if self.bias is None else FLOAT_BYTES * self.bias.numel())
 
     def extra_repr(self) -> str:
-        act = ", act=int8-per-token" if self.act_quant else ""
+        act = (f", act=int8-per-token x2 (split at 1/{self.act_split})" if self.act_quant and self.act_split
+               else ", act=int8-per-token" if self.act_quant else "")
         return f"in={self.in_features}, out={self.out_features}, {self.fmt.label()}{act}"
 
 
