@@ -32,7 +32,7 @@ A recipe name is a short dash-separated string parsed by `parse_recipe`:
             rows, its values clipped at 1/8 of its largest magnitude and the outliers beyond, through the
             same weights (`edgefinfer.compile.quant.primitives.split_outliers`): close to float
             activations; a decode token's GEMM reads the weights once for both rows, a prefill computes
-            twice (measured in bench/results/gemma3.json `split`)
+            twice (measured: bench/results/split_activations.json)
 
 Examples: `int8`, `int4-g32`, `int4-awq-g64`, `int4-gptq-g128-sym`, `8da4w-g32`, `fp8`, `int4-g64-emb8`,
 `int4-gptq-g32-rot`, `8da4w-g32-emb8-rot`.

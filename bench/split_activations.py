@@ -1,0 +1,165 @@
+"""The android recipe with and without split int8 activations (`-split`): quality and speed, per model.
+
+    python bench/split_activations.py --pairs smollm2-135m=dist/android,dist/android-split \
+        --pairs gemma3-270m=GEMMA_DEFAULT,GEMMA_SPLIT [--tokens 4096] [--rounds 3]
+    python bench/split_activations.py --calibration --pairs smollm2-135m= --pairs gemma3-270m=
+
+For each model, two android bundles built from the same weights (`edgefinfer build -t android` and
+`... --recipe 8da4w-g32-fzp-split`): perplexity change against the float model on each held-out domain,
+measured by ExecuTorch on --tokens tokens per domain (1024-token deltas move by a point or two with int8
+activations, see bench/gemma3.py `heldout_long`), then decode and prefill speed, both bundles back to
+back in each round (each engine in its own process, bench/runtime.py's child) at 1 and 2 threads, as
+the median and spread of the per-round ratios split / default. Writes bench/results/split_activations.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import machine, print_table, versions, write_results  # noqa: E402
+from gemma3 import heldout_ppl, measured_bundle  # noqa: E402
+from runtime import measure  # noqa: E402
+
+PROMPT_TOKENS, DECODE_TOKENS = 128, 64
+
+
+def quality(model_name: str, bundles: dict[str, Path], args) -> dict:
+    """Held-out perplexity change of each bundle (by ExecuTorch) against the float model, same tokens."""
+    from edgefinfer.model import reference
+    from edgefinfer.model.checkpoint import load_model
+    from edgefinfer.tokenization.tokenizer import Tokenizer
+
+    folder = reference.pull(model_name)
+    model, tok = load_model(folder), Tokenizer.from_dir(folder)
+    with torch.no_grad():
+        float_ppl = heldout_ppl(lambda t: model(t), tok, args.tokens, args.window)
+    out = {"float_ppl": float_ppl}
+    for label, path in bundles.items():
+        out[label] = measured_bundle(path, float_ppl, args)
+        print(f"[split] {model_name} {label}: {json.dumps(out[label]['ppl_delta_pct'])}", file=sys.stderr, flush=True)
+    return out
+
+
+def calibration(model_name: str, args) -> dict:
+    """Eager perplexity of the android default's quantized model on the default calibration text (what a
+    build could measure before choosing), with whole and with split int8 activations: the same codes."""
+    from edgefinfer.app.build import quantize_for
+    from edgefinfer.app.quantize_command import default_calibration
+    from edgefinfer.bundle.quant_recipe import SPLIT_RATIO
+    from edgefinfer.bundle.recipe import Recipe, source_precision
+    from edgefinfer.bundle.targets import get_target
+    from edgefinfer.compile.quant.modules import QuantLinear
+    from edgefinfer.data.evaluate import perplexity
+    from edgefinfer.model import reference
+    from edgefinfer.model.checkpoint import load_model
+    from edgefinfer.tokenization.tokenizer import Tokenizer
+
+    folder = reference.pull(model_name)
+    model, tok = load_model(folder), Tokenizer.from_dir(folder)
+    target = get_target("android")
+    recipe = Recipe.parse(target.recipe)
+    quantized = quantize_for(model, target, recipe, tok, source_precision(folder, recipe))
+    decoder = [m for n, m in quantized.named_modules() if isinstance(m, QuantLinear) and n.startswith("model.layers.")]
+    ids = default_calibration(tok).flatten().tolist()
+    out = {"recipe": recipe.name, "tokens": len(ids), "window": 256}
+    for label, ratio in (("whole", 0), ("split", SPLIT_RATIO)):
+        for m in decoder:
+            m.act_split = ratio
+        with torch.no_grad():
+            out[f"{label}_ppl"] = perplexity(lambda t: quantized(t), ids, window=256, stride=256,
+                                             prefix=tok.scoring_prefix).ppl
+    out["split_wins_back_pct"] = round(100 * (out["whole_ppl"] / out["split_ppl"] - 1), 2)
+    print(f"[split] {model_name} calibration text: {json.dumps(out)}", file=sys.stderr, flush=True)
+    return out
+
+
+def speed(model_name: str, bundles: dict[str, Path], args) -> list[dict]:
+    """Decode / prefill of both bundles, back to back in each round, at 1 and 2 threads."""
+    from edgefinfer.data.corpora import load_text
+    from edgefinfer.model import reference
+    from edgefinfer.tokenization.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(reference.pull(model_name))
+    prompt = Path(args.work) / f"{model_name}-prompt.json"
+    prompt.write_text(json.dumps(tok.encode(load_text("test"))[:PROMPT_TOKENS]))
+    rows = []
+    for threads in (1, 2):
+        runs: dict[str, list[dict]] = {label: [] for label in bundles}
+        for r in range(args.rounds):
+            for label, path in bundles.items():
+                runs[label].append(measure("ours", "executorch", path / "model.pte", prompt, DECODE_TOKENS, threads))
+                print(f"[split] {model_name} {threads} thr round {r} {label}: "
+                      f"{runs[label][-1]['decode_tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
+        decode = {label: [g["decode_tok_s"] for g in got] for label, got in runs.items()}
+        prefill = {label: [g["prefill_tok_s"] for g in got] for label, got in runs.items()}
+        decode_ratio = [s / d for s, d in zip(decode["split"], decode["default"])]
+        prefill_ratio = [s / d for s, d in zip(prefill["split"], prefill["default"])]
+        rows.append({"model": model_name, "threads": threads,
+                     **{f"{label}_decode_tok_s": statistics.median(v) for label, v in decode.items()},
+                     **{f"{label}_prefill_tok_s": statistics.median(v) for label, v in prefill.items()},
+                     "decode_ratio": statistics.median(decode_ratio),
+                     "decode_ratio_range": [min(decode_ratio), max(decode_ratio)],
+                     "prefill_ratio": statistics.median(prefill_ratio),
+                     "prefill_ratio_range": [min(prefill_ratio), max(prefill_ratio)]})
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pairs", action="append", required=True,
+                    help="MODEL=DEFAULT_BUNDLE,SPLIT_BUNDLE (repeat per model)")
+    ap.add_argument("--tokens", type=int, default=4096, help="held-out tokens per domain")
+    ap.add_argument("--window", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2, help="for the perplexity runs")
+    ap.add_argument("--no-speed", action="store_true")
+    ap.add_argument("--calibration", action="store_true",
+                    help="only the calibration text's eager perplexity, whole and split (section `calibration`, "
+                         "merged into the results file)")
+    args = ap.parse_args()
+    from edgefinfer.files.user_cache import cache_dir
+
+    args.work = cache_dir() / "bench" / "split_activations"
+    args.work.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(args.threads)
+    load_start = [round(x, 2) for x in os.getloadavg()]
+    if args.calibration:
+        path = Path(__file__).parent / "results" / "split_activations.json"
+        result = json.loads(path.read_text()) if path.is_file() else {}
+        result["calibration"] = {pair.partition("=")[0]: calibration(pair.partition("=")[0], args)
+                                 for pair in args.pairs}
+        result["calibration_command"] = "python bench/split_activations.py " + " ".join(sys.argv[1:])
+        write_results("split_activations", result)
+        return
+    result = {"command": "python bench/split_activations.py " + " ".join(sys.argv[1:]), "machine": machine(),
+              "versions": versions("executorch", "torchao"), "tokens_per_domain": args.tokens,
+              "prompt_tokens": PROMPT_TOKENS, "decode_tokens": DECODE_TOKENS, "rounds": args.rounds,
+              "models": {}, "speed": []}
+    for pair in args.pairs:
+        name, _, paths = pair.partition("=")
+        default, _, split = paths.partition(",")
+        bundles = {"default": Path(default), "split": Path(split)}
+        result["models"][name] = quality(name, bundles, args)
+        if not args.no_speed:
+            result["speed"] += speed(name, bundles, args)
+    result["load_avg"] = {"start": load_start, "end": [round(x, 2) for x in os.getloadavg()]}
+    write_results("split_activations", result)
+    table = [{"model": m, "bundle": label, "recipe": q[label]["recipe"],
+              **{d: f"{v:+.2f}%" for d, v in q[label]["ppl_delta_pct"].items()}}
+             for m, q in result["models"].items() for label in ("default", "split")]
+    print_table(table, ["model", "bundle", "recipe", *next(iter(result["models"].values()))["float_ppl"]])
+    if result["speed"]:
+        print_table(result["speed"], ["model", "threads", "default_decode_tok_s", "split_decode_tok_s", "decode_ratio",
+                                      "default_prefill_tok_s", "split_prefill_tok_s", "prefill_ratio"])
+
+
+if __name__ == "__main__":
+    main()
