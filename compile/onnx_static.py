@@ -110,7 +110,7 @@ class StaticForm:
         self.b, self.model = b, model
         self.H, self.Hkv, self.D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.dim_per_head
         self.G, self.W, self.S = self.H // self.Hkv, cache_slots, chunk
-        H, Hkv, D, G, W, S = self.H, self.Hkv, self.D, self.G, self.W, self.S
+        Hkv, D, G, W, S = self.Hkv, self.D, self.G, self.W, self.S
         self.ids = b.input("input_ids", ir.DataType.INT32, [1, S])
         pos = b.input("position_ids", ir.DataType.INT32, [1, S])
         bias = b.input("attention_bias", ir.DataType.FLOAT, [1, 1, S, W])

@@ -35,7 +35,7 @@ def test_failure_leaves_nothing(tmp_path):
 def test_failure_keeps_the_previous_bundle(tmp_path):
     make_bundle(tmp_path / "b", b"old")
     with pytest.raises(KeyboardInterrupt):
-        with BundleWriter(tmp_path / "b", target="android", model={}) as w:
+        with BundleWriter(tmp_path / "b", target="android", model={}):
             raise KeyboardInterrupt
     assert (tmp_path / "b" / "model.bin").read_bytes() == b"old"
     assert [p.name for p in tmp_path.iterdir()] == ["b"]

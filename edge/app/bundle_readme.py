@@ -78,7 +78,7 @@ def _llamacpp(target: Target, artefact: str) -> str:
 def _qnn(target: Target, artefact: str) -> str:
     return (
         "Run with ONNX Runtime's QNN execution provider (onnxruntime-qnn) on a Snapdragon device:\n"
-        f"    edgefinfer run . -p \"...\"   (HTP on the device, the HTP emulator on x86, or the CPU EP)\n"
+        "    edgefinfer run . -p \"...\"   (HTP on the device, the HTP emulator on x86, or the CPU EP)\n"
         "A runner of your own (Genie-style: prompt_ctx.onnx for prompt chunks, model_ctx.onnx per token):\n"
         "if the manifest names a sink_kv file, load it (numpy .npy, [layers, key/value, kv heads, head dim])\n"
         "into cache slot 0 of every sequence, keep that slot always visible, and start the prompt at\n"
