@@ -74,23 +74,12 @@ def float_channels_forward(module, cols: torch.Tensor):
 
 
 def probe(name: str, channels: list[int], args) -> dict:
-    from edgefinfer.app.build import quantize_for
     from edgefinfer.bundle.quant_recipe import SPLIT_RATIO
-    from edgefinfer.bundle.recipe import Recipe, source_precision
-    from edgefinfer.bundle.targets import get_target
-    from edgefinfer.compile.quant.modules import QuantLinear
     from edgefinfer.data.corpora import load_text
     from edgefinfer.data.evaluate import perplexity
-    from edgefinfer.model import reference
-    from edgefinfer.model.checkpoint import load_model
-    from edgefinfer.tokenization.tokenizer import Tokenizer
+    from split_activations import android_quantized
 
-    folder = reference.pull(name)
-    model, tok = load_model(folder), Tokenizer.from_dir(folder)
-    target = get_target("android")
-    recipe = Recipe.parse(target.recipe)
-    quantized = quantize_for(model, target, recipe, tok, source_precision(folder, recipe))
-    decoder = {n: m for n, m in quantized.named_modules() if isinstance(m, QuantLinear) and n.startswith("model.layers.")}
+    model, tok, recipe_name, quantized, decoder = android_quantized(name)
     absmax = calibration_absmax(quantized, decoder, tok)
     ids = {d: tok.encode(load_text(d)[: args.tokens * 8])[: args.tokens] for d in DOMAINS}
 
@@ -117,7 +106,7 @@ def probe(name: str, channels: list[int], args) -> dict:
         for n, m in decoder.items():
             m.forward = float_channels_forward(m, absmax[n].topk(k).indices)
         record(f"{k} float channels")
-    return {"recipe": recipe.name, "float_ppl": float_ppl, "ppl_delta_pct": rows}
+    return {"recipe": recipe_name, "float_ppl": float_ppl, "ppl_delta_pct": rows}
 
 
 def main() -> None:

@@ -48,16 +48,13 @@ def quality(model_name: str, bundles: dict[str, Path], args) -> dict:
     return out
 
 
-def calibration(model_name: str, args) -> dict:
-    """Eager perplexity of the android default's quantized model on the default calibration text (what a
-    build could measure before choosing), with whole and with split int8 activations: the same codes."""
+def android_quantized(model_name: str):
+    """(float model, tokenizer, recipe name, eager quantized model, its decoder linears by name): the android
+    default recipe on a reference model, as `edgefinfer build` quantizes it (the artefact cache's copy)."""
     from edgefinfer.app.build import quantize_for
-    from edgefinfer.app.quantize_command import default_calibration
-    from edgefinfer.bundle.quant_recipe import SPLIT_RATIO
     from edgefinfer.bundle.recipe import Recipe, source_precision
     from edgefinfer.bundle.targets import get_target
     from edgefinfer.compile.quant.modules import QuantLinear
-    from edgefinfer.data.evaluate import perplexity
     from edgefinfer.model import reference
     from edgefinfer.model.checkpoint import load_model
     from edgefinfer.tokenization.tokenizer import Tokenizer
@@ -67,11 +64,22 @@ def calibration(model_name: str, args) -> dict:
     target = get_target("android")
     recipe = Recipe.parse(target.recipe)
     quantized = quantize_for(model, target, recipe, tok, source_precision(folder, recipe))
-    decoder = [m for n, m in quantized.named_modules() if isinstance(m, QuantLinear) and n.startswith("model.layers.")]
+    decoder = {n: m for n, m in quantized.named_modules() if isinstance(m, QuantLinear) and n.startswith("model.layers.")}
+    return model, tok, recipe.name, quantized, decoder
+
+
+def calibration(model_name: str, args) -> dict:
+    """Eager perplexity of the android default's quantized model on the default calibration text (what a
+    build could measure before choosing), with whole and with split int8 activations: the same codes."""
+    from edgefinfer.app.quantize_command import default_calibration
+    from edgefinfer.bundle.quant_recipe import SPLIT_RATIO
+    from edgefinfer.data.evaluate import perplexity
+
+    _, tok, recipe_name, quantized, decoder = android_quantized(model_name)
     ids = default_calibration(tok).flatten().tolist()
-    out = {"recipe": recipe.name, "tokens": len(ids), "window": 256}
+    out = {"recipe": recipe_name, "tokens": len(ids), "window": 256}
     for label, ratio in (("whole", 0), ("split", SPLIT_RATIO)):
-        for m in decoder:
+        for m in decoder.values():
             m.act_split = ratio
         with torch.no_grad():
             out[f"{label}_ppl"] = perplexity(lambda t: quantized(t), ids, window=256, stride=256,
