@@ -37,17 +37,25 @@ def stack_rows(linears: list[nn.Module]) -> nn.Module | None:
     if not all(type(m) is QuantLinear for m in linears):
         return None
     same = all(m.fmt == first.fmt and m.group_size == first.group_size and m.act_quant == first.act_quant
-               and m.act_split == first.act_split and (m.bias is None) == (first.bias is None) for m in linears)
+               and m.act_split == first.act_split and (m.bias is None) == (first.bias is None)
+               and _same_cols(m.float_cols, first.float_cols) for m in linears)
     if not same:
         return None
     out = QuantLinear(first.in_features, sum(m.out_features for m in linears), first.fmt, first.bias is not None,
                       first.act_quant, act_split=first.act_split)
+    if first.float_cols is not None:
+        out.register_buffer("float_cols", first.float_cols.clone())
     out.qweight = torch.cat([m.qweight for m in linears])
     out.scales = torch.cat([m.scales for m in linears])
     out.zeros = torch.cat([m.zeros for m in linears])
     if first.bias is not None:
         out.bias = nn.Parameter(torch.cat([m.bias.detach() for m in linears]), requires_grad=False)
     return out
+
+
+def _same_cols(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    """Whether two linears keep the same input channels float (`QuantLinear.float_cols`)."""
+    return (a is None) == (b is None) and (a is None or torch.equal(a, b))
 
 
 def fuse_projections(model: Transformer) -> Transformer:

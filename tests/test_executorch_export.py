@@ -267,6 +267,24 @@ def test_split_activations_run_as_one_delegate_per_layer_part_and_match_eager(mo
                            left_out=("aten::max", "aten::minimum", "aten::maximum", "aten::permute", "aten::abs"))
 
 
+def test_float_outlier_channels_stay_inside_the_layer_delegates_and_match_eager(model, store, tmp_path, prompt):
+    """8da4w-g32-fzp-outliers4: per decoder linear a mask multiply, a one-hot pick and a float linear
+    beside XNNPACK's int8 one (layouts.FloatChannelsLinear), all XNNPACK's, so a layer is cut only where
+    the fzp program is cut, and the .pte computes what the eager module computes."""
+    import copy
+
+    from edgefinfer.compile.quant import quantize_model
+    from edgefinfer.compile.quant.modules import QuantLinear
+    from edgefinfer.compile.quant.recipe import parse_recipe
+
+    quantized = copy.deepcopy(model).float().eval()
+    quantize_model(quantized, parse_recipe("8da4w-g32-fzp-outliers4"), torch.tensor([prompt[:32]] * 2))
+    kept = [n for n, m in quantized.named_modules() if isinstance(m, QuantLinear) and m.float_cols is not None]
+    assert kept and not any(n.startswith("lm_head") for n in kept)
+    _check_xnnpack_program(quantized, tmp_path / "outliers.pte", store, prompt,
+                           left_out=("aten::mul", "aten::index", "aten::gather"))
+
+
 def test_lowering_shortcuts_would_have_changed_no_byte(fzp_model, tmp_path, monkeypatch):
     """The lowering's shortcuts (`LOWERING_SHORTCUTS`: one decomposition instead of three, XNNPACK
     passes skipped where a partition lacks their ops, ...): with ExecuTorch's stock pipeline the same

@@ -20,6 +20,7 @@ from edgefinfer.compile.quant.calibrate import (INPUT_GROUPS, ActivationSampler,
 from edgefinfer.compile.quant.gptq import gptq_damp_sweep, gptq_quantize
 from edgefinfer.model.transformer import first_rows
 from edgefinfer.compile.quant.modules import Fp8Linear, QuantEmbedding, QuantLinear, model_size_bytes, tied_head
+from edgefinfer.compile.quant.outliers import keep_outliers_float
 from edgefinfer.compile.quant.primitives import IntWeights, quantize_fp8, quantize_int
 from edgefinfer.compile.quant.recipe import QuantRecipe, WeightFormat
 from edgefinfer.compile.quant.rotation import check_rotatable, rotate_model
@@ -159,6 +160,11 @@ def quantize_model(model: Transformer, recipe: QuantRecipe, calib: Tensor | None
             for module in layer.modules():
                 if isinstance(module, QuantLinear):
                     module.act_split = recipe.outlier_split
+    if recipe.outlier_channels and act_quant:  # on the quantized model: the inputs it will see
+        t = time.perf_counter()
+        count = keep_outliers_float(model, calib, recipe.outlier_channels, batch_size)
+        say(f"[outliers] {recipe.outlier_channels} float input channels in each of {count} linears, "
+            f"{time.perf_counter() - t:.1f}s")
 
     result.seconds = time.perf_counter() - t0
     result.size_bytes = model_size_bytes(model)

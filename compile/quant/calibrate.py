@@ -11,7 +11,7 @@ forward pass as soon as the last of them has been reached (computing the rest wo
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -96,6 +96,25 @@ def capture_inputs(layer: nn.Module, names: list[str], on_input: Callable[[str, 
         for name in names:
             handles.append(layer.get_submodule(name).register_forward_pre_hook(make_hook(name)))
         yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@torch.no_grad()
+def observe_inputs(model: Transformer, calib: Tensor, modules: dict[Any, nn.Module],
+                   on_input: Callable[[Any, Tensor], None], batch_size: int = 8) -> None:
+    """Run the calibration blocks `calib` [N, S] through the whole `model` (as it is), calling
+    `on_input(key, x [T, K])` with what enters each of `modules` (key -> submodule)."""
+    def make_hook(key: Any):
+        def hook(_module: nn.Module, args: tuple[Tensor, ...]) -> None:
+            on_input(key, args[0].detach().reshape(-1, args[0].shape[-1]).float())
+        return hook
+
+    handles = [m.register_forward_pre_hook(make_hook(key)) for key, m in modules.items()]
+    try:
+        for start in range(0, calib.shape[0], batch_size):
+            model(calib[start:start + batch_size])
     finally:
         for h in handles:
             h.remove()

@@ -45,6 +45,8 @@ def quantization_config(model: Transformer, recipe: QuantRecipe) -> dict[str, An
             entry = {**module.fmt.to_dict(), "act_quant": bool(getattr(module, "act_quant", False))}
             if getattr(module, "act_split", 0):  # written only when set, so other checkpoints stay as they were
                 entry["act_split"] = int(module.act_split)
+            if getattr(module, "float_cols", None) is not None:  # the indices are a tensor of the checkpoint
+                entry["float_cols"] = int(module.float_cols.numel())
             if isinstance(module, (QuantLinear, QuantEmbedding)):
                 entry["group"] = module.group_size  # resolved: per-channel is the row length
             modules[name] = entry
@@ -130,4 +132,4 @@ def _empty_module(model: Transformer, name: str, entry: dict[str, Any]) -> nn.Mo
     if fmt.kind == "fp8":
         return Fp8Linear(old.in_features, old.out_features, old.bias is not None)
     return QuantLinear(old.in_features, old.out_features, fmt, old.bias is not None, entry.get("act_quant", False),
-                       name, act_split=int(entry.get("act_split", 0)))
+                       name, act_split=int(entry.get("act_split", 0)), float_cols=int(entry.get("float_cols", 0)))

@@ -30,7 +30,7 @@ against gguf-py's dequantizer, onnxruntime's MatMulNBits kernel and torchao's te
   (8da4w-*-fzp) becomes `OffsetLinear`: its symmetric part on XNNPACK's kernel plus a float linear
   over the input's group sums (`QuantLinear.offset_split`), ordinary ops that every runner has. A
   split activation (`act_split`) becomes `OutlierSplitLinear`: two rows per token through the same
-  dynamically quantized linear.
+  dynamically quantized linear; float input channels (`float_cols`) become `FloatChannelsLinear`.
 """
 
 from __future__ import annotations
@@ -275,6 +275,34 @@ class OutlierSplitLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+class FloatChannelsLinear(nn.Module):
+    """`QuantLinear.float_cols` as XNNPACK runs it: y = inner(x * keep) + C (P x), where `keep` zeroes the
+    float channels, P [n, K] is the one-hot matrix that picks them and C [N, n] holds their weight
+    columns in float32. XNNPACK's partitioner takes no gather (index_select), and an op it leaves out
+    cuts the layer's delegate in two; a multiply by a constant and two small float linears it takes
+    (P x is exact: each output is one input times 1.0).
+
+    C is read in full for every decode token: n float32 columns weigh as much as 8n of the int4 ones,
+    which is what the float channels cost a decode step (folding P into a float zero point's group-sum
+    linear, one op fewer, was no faster: measured on SmolLM2)."""
+
+    def __init__(self, inner: nn.Module, cols: Tensor, weight: Tensor):
+        """cols [n] int64 of the K inputs; weight [N, K] the (symmetric part of the) dequantized matrix."""
+        super().__init__()
+        n_out, width = weight.shape
+        self.inner = inner
+        keep = torch.ones(width, dtype=weight.dtype)
+        keep[cols] = 0.0
+        self.register_buffer("keep", keep)  # [K]
+        self.pick = nn.Linear(width, cols.numel(), bias=False, device="meta")
+        self.pick.weight = nn.Parameter(torch.eye(width, dtype=weight.dtype)[cols], requires_grad=False)  # [n, K]
+        self.columns = nn.Linear(cols.numel(), n_out, bias=False, device="meta")
+        self.columns.weight = nn.Parameter(weight[:, cols].contiguous(), requires_grad=False)  # [N, n]
+
+    def forward(self, x: Tensor) -> Tensor:  # [..., K] -> [..., N]
+        return self.inner(x * self.keep) + self.columns(self.pick(x))
+
+
 def torchao_model(model: nn.Module, dtype: torch.dtype = torch.float32) -> nn.Module:
     """Swap (in place) every QuantLinear / QuantEmbedding for an nn.Linear / nn.Embedding whose weight
     is the equivalent torchao tensor, ready for torch.export + the XNNPACK partitioner. A tied head
@@ -298,6 +326,9 @@ def torchao_model(model: nn.Module, dtype: torch.dtype = torch.float32) -> nn.Mo
         if split:
             bias = None if module.bias is None else module.bias.detach().to(dtype)
             new = OutlierSplitLinear(new, module.act_split, bias)
+        if isinstance(module, QuantLinear) and module.act_quant and module.float_cols is not None:
+            symmetric = module.offset_split()[0] if module.fmt.float_zero else module.dequantized()
+            new = FloatChannelsLinear(new, module.float_cols, symmetric.to(dtype))
         if isinstance(module, QuantLinear) and module.fmt.float_zero:
             new = OffsetLinear(new, module.offset_split()[1].to(dtype), module.group_size)
         parent_name, _, child = name.rpartition(".")

@@ -9,7 +9,8 @@ Each module stores exactly what an exporter needs and nothing derived:
 plus the format (bits, group size, symmetric). The eager forward dequantizes, so it computes with
 exactly the weights an integer kernel sees; a QuantLinear with `act_quant` also quantize-dequantizes
 its input per token to int8 (8da4w), as XNNPACK's dynamically quantized linear does; with `act_split`
-as well, it quantizes each token's input in two parts (`split_outliers`), each by its own step.
+as well, it quantizes each token's input in two parts (`split_outliers`), each by its own step; with
+`float_cols`, those input channels bypass the int8 row and meet their weight columns in float.
 """
 
 from __future__ import annotations
@@ -81,13 +82,17 @@ class _IntStorage(nn.Module):
 
 class QuantLinear(_IntStorage):
     def __init__(self, in_features: int, out_features: int, fmt: WeightFormat, bias: bool = False,
-                 act_quant: bool = False, where: str = "this layer", act_split: int = 0):
+                 act_quant: bool = False, where: str = "this layer", act_split: int = 0, float_cols: int = 0):
         """act_split: with act_quant, k > 0 quantizes each token's input as two int8 rows, its values
-        clipped at 1/k of its largest magnitude and the rest beyond (`split_outliers`); 0: one row."""
+        clipped at 1/k of its largest magnitude and the rest beyond (`split_outliers`); 0: one row.
+        float_cols: with act_quant, room for that many input channel indices kept out of the int8 row
+        (`float_cols` [n] int64, filled by `compile.quant.outliers` or a checkpoint); 0: none, no buffer."""
         super().__init__(out_features, in_features, fmt, where)
         self.in_features, self.out_features = in_features, out_features
         self.act_quant = act_quant
         self.act_split = act_split
+        self.float_cols: Tensor | None
+        self.register_buffer("float_cols", torch.zeros(float_cols, dtype=torch.long) if float_cols else None)
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
 
     @classmethod
@@ -112,21 +117,30 @@ class QuantLinear(_IntStorage):
         # quantized linear), a float zero point's group offsets on the float activations (a float linear).
         w, offsets = self.offset_split() if self.fmt.float_zero else (self.dequantized(), None)
         w = w.to(x.dtype)
+        cols = self.float_cols  # LLM.int8()'s decomposition: these channels never see int8
+        x_int = x if cols is None else x.index_fill(-1, cols, 0.0)
         if self.act_split:
-            clipped, outliers = split_outliers(x, self.act_split)
+            clipped, outliers = split_outliers(x_int, self.act_split)
             y = F.linear(fake_quant_per_token_int8(clipped), w) + F.linear(fake_quant_per_token_int8(outliers), w)
         else:
-            y = F.linear(fake_quant_per_token_int8(x), w)
-        if offsets is not None:
+            y = F.linear(fake_quant_per_token_int8(x_int), w)
+        if cols is not None:
+            y = y + F.linear(x.index_select(-1, cols), w[:, cols])
+        if offsets is not None:  # the offsets see every channel: they are float already
             y = y + F.linear(group_sums(x, self.group_size), offsets.to(x.dtype))
         return y if bias is None else y + bias
 
     def packed_bytes(self) -> int:
-        return super().packed_bytes() + (0 if self.bias is None else FLOAT_BYTES * self.bias.numel())
+        """With float channels, their weight columns are stored once more, in float."""
+        floats = (0 if self.bias is None else self.bias.numel()) + (
+            0 if self.float_cols is None else self.float_cols.numel() * self.out_features)
+        return super().packed_bytes() + FLOAT_BYTES * floats
 
     def extra_repr(self) -> str:
         act = (f", act=int8-per-token x2 (split at 1/{self.act_split})" if self.act_quant and self.act_split
                else ", act=int8-per-token" if self.act_quant else "")
+        if self.float_cols is not None:
+            act += f", {self.float_cols.numel()} float channels"
         return f"in={self.in_features}, out={self.out_features}, {self.fmt.label()}{act}"
 
 

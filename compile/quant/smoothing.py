@@ -39,6 +39,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from edgefinfer.compile.quant.calibrate import observe_inputs
 from edgefinfer.compile.quant.modules import QuantLinear
 from edgefinfer.compile.quant.primitives import quantize_int
 from edgefinfer.compile.quant.recipe import WeightFormat
@@ -67,19 +68,8 @@ def sampled_inputs(model: Transformer, calib: Tensor, layers: list[int], tokens:
     """Per layer in `layers`, up to `tokens` rows [T, F] of the down projection's input over `calib`
     [N, S] (the float model), sampled with a fixed seed."""
     seen: dict[int, list[Tensor]] = {i: [] for i in layers}
-
-    def hook(layer: int):
-        def record(_module, args):
-            seen[layer].append(args[0].detach().reshape(-1, args[0].shape[-1]).float())
-        return record
-
-    handles = [model.model.layers[i].mlp.down_proj.register_forward_pre_hook(hook(i)) for i in layers]
-    try:
-        for start in range(0, calib.shape[0], batch_size):
-            model(calib[start:start + batch_size])
-    finally:
-        for h in handles:
-            h.remove()
+    observe_inputs(model, calib, {i: model.model.layers[i].mlp.down_proj for i in layers},
+                   lambda i, x: seen[i].append(x), batch_size)
     out = {}
     for i, parts in seen.items():
         x = torch.cat(parts)

@@ -40,7 +40,7 @@ from edgefinfer.bundle.targets import Target, get_target
 # round-to-nearest one before the data-aware one (GPTQ: about a minute on the reference model).
 CANDIDATES: dict[str, list[str]] = {
     "pte": ["8da4w-g128-emb4", "8da4w-g32-emb4", "8da4w-gptq-g32-emb4", "8da4w-g32", "8da4w-gptq-g32",
-            "8da4w-g32-fzp", "8da4w-gptq-g32-fzp", "8da8w", "fp32"],
+            "8da4w-g32-fzp", "8da4w-gptq-g32-fzp", "8da4w-g32-fzp-outliers16", "8da8w", "fp32"],
     "onnx": ["int4-g64", "int4-g32", "int4-gptq-g32", "int4-g32-fzp", "int4-gptq-g32-fzp", "int8", "fp32"],
     "gguf": ["int4-g32-sym", "int4-g32", "llamacpp-q4_1", "int4-gptq-g32", "int4-gptq-g32-fzp", "int8-g32-emb8",
              "fp16"],

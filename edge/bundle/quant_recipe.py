@@ -6,7 +6,7 @@ description (`edgefinfer.bundle.artefact`) and the runtimes hold it without impo
 
 A recipe name is a short dash-separated string parsed by `parse_recipe`:
 
-    SCHEME [-METHOD] [-gN | -pc] [-sym | -asym | -fzp] [-embF] [-smooth] [-split] [-rot]
+    SCHEME [-METHOD] [-gN | -pc] [-sym | -asym | -fzp] [-embF] [-smooth] [-split] [-outliersN] [-rot]
 
     SCHEME  int8 | int4 | 8da4w | 8da8w | fp8  (8daNw = int8 dynamic per-token activations, intN weights;
                                                8da8w is per-channel, with int8 per-row embeddings)
@@ -32,7 +32,11 @@ A recipe name is a short dash-separated string parsed by `parse_recipe`:
             rows, its values clipped at 1/8 of its largest magnitude and the outliers beyond, through the
             same weights (`edgefinfer.compile.quant.primitives.split_outliers`): close to float
             activations; a decode token's GEMM reads the weights once for both rows, a prefill computes
-            twice (measured: bench/results/split_activations.json)
+            twice (measured: bench/results/int8_activations.json)
+    -outliersN  for int8 activations (8daNw): per decoder linear, the N input channels with the largest
+            magnitude on the calibration text stay out of the int8 row and are multiplied in float by their
+            (dequantized) weight columns, LLM.int8()'s decomposition with channels fixed at build time
+            (`edgefinfer.compile.quant.outliers`; measured: bench/results/int8_activations.json)
 
 Examples: `int8`, `int4-g32`, `int4-awq-g64`, `int4-gptq-g128-sym`, `8da4w-g32`, `fp8`, `int4-g64-emb8`,
 `int4-gptq-g32-rot`, `8da4w-g32-emb8-rot`.
@@ -61,6 +65,9 @@ INT_BITS: tuple[int, ...] = (2, 3, 4, 5, 6, 7, 8)
 # -split: clip at 1/8 of each token's peak. Eager, Gemma 3 270M 8da4w-g32-fzp, bible 4096 tokens:
 # 1/4 +4.31%, 1/8 +3.98%, 1/16 +4.56% with q/k/v/down split alone (unsplit +7.81%, float activations +2.02%).
 SPLIT_RATIO = 8
+# -outliersN: more float channels than this would make the float part a GEMM of its own (a 640-wide
+# input at 64 float channels is a tenth of the layer in float32).
+MAX_OUTLIER_CHANNELS = 64
 
 
 @dataclass(frozen=True)
@@ -199,11 +206,12 @@ class QuantRecipe:
     rotation: RotationSettings | None = None  # None: no rotation
     smoothing: bool = False  # the int8 activations' power-of-two smoothing (compile/quant/smoothing.py)
     outlier_split: int = 0  # k > 0: int8 activations of decoder linears in two rows, split at 1/k of the peak
+    outlier_channels: int = 0  # N > 0: the N largest input channels of each decoder linear kept float
 
     @property
     def needs_calibration(self) -> bool:
         """Whether quantizing reads calibration text (GPTQ/AWQ's statistics, the smoothing's maxima)."""
-        return self.method != "rtn" or self.smoothing
+        return self.method != "rtn" or self.smoothing or self.outlier_channels > 0
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -246,6 +254,7 @@ class QuantRecipe:
             "rotation": None if self.rotation is None else dataclasses.asdict(self.rotation),
             "smoothing": self.smoothing,
             "outlier_split": self.outlier_split,
+            "outlier_channels": self.outlier_channels,
         }
 
     @classmethod
@@ -266,6 +275,7 @@ class QuantRecipe:
                 rotation=None if d.get("rotation") is None else RotationSettings(**d["rotation"]),
                 smoothing=bool(d.get("smoothing", False)),  # absent: quantized before smoothing existed
                 outlier_split=int(d.get("outlier_split", 0)),  # absent: before the split existed
+                outlier_channels=int(d.get("outlier_channels", 0)),  # absent: before float channels existed
             )
         except (KeyError, TypeError) as e:
             raise UserError(f"quantization_config is malformed ({e}); re-quantize the model") from None
@@ -286,6 +296,7 @@ _NAME = re.compile(
     r"(?:-(?P<emb>emb8|emb4|embf))?"
     r"(?:-(?P<smooth>smooth))?"
     r"(?:-(?P<split>split))?"
+    r"(?:-outliers(?P<outliers>\d+))?"
     r"(?:-(?P<rot>rot))?$"
 )
 
@@ -295,7 +306,8 @@ RECIPE_NAMES: tuple[str, ...] = (
     "int4-g32", "int4-g64", "int4-g128", "int4-g64-sym", "int4-g32-fzp", "int4-gptq-g32-fzp",
     "int4-gptq-g32", "int4-gptq-g64", "int4-gptq-g128", "int4-gptq-g64-sym", "int4-gptq-noact-g64-sym",
     "int4-awq-g32", "int4-awq-g64", "int4-awq-g128", "int4-awq-g64-sym", "int4-awq-noclip-g32", "int4-awq-gptq-g32",
-    "8da4w-g32", "8da4w-g64", "8da4w-g128", "8da4w-g32-fzp", "8da4w-g32-fzp-smooth", "8da4w-g32-fzp-split", "8da4w-gptq-g32-fzp", "8da8w",
+    "8da4w-g32", "8da4w-g64", "8da4w-g128", "8da4w-g32-fzp", "8da4w-g32-fzp-smooth", "8da4w-g32-fzp-split", "8da4w-g32-fzp-outliers16",
+    "8da4w-gptq-g32-fzp", "8da8w",
     "fp8",
 )
 
@@ -305,13 +317,16 @@ def parse_recipe(name: str) -> QuantRecipe:
     m = _NAME.match(name.strip().lower())
     if m is None:
         raise UserError(f"unknown recipe {name!r}: use one of {', '.join(RECIPE_NAMES)} "
-                        "(grammar: SCHEME[-rtn|gptq|gptq-noact|awq|awq-noclip|awq-gptq][-gN|-pc][-sym|-asym|-fzp][-emb8|-emb4|-embf][-smooth][-split][-rot])")
-    scheme, method, group, sym, emb, smooth, split, rot = (
-        m[k] for k in ("scheme", "method", "group", "sym", "emb", "smooth", "split", "rot"))
-    for suffix, given in (("smooth", smooth), ("split", split)):
+                        "(grammar: SCHEME[-rtn|gptq|gptq-noact|awq|awq-noclip|awq-gptq][-gN|-pc][-sym|-asym|-fzp][-emb8|-emb4|-embf][-smooth][-split][-outliersN][-rot])")
+    scheme, method, group, sym, emb, smooth, split, outliers, rot = (
+        m[k] for k in ("scheme", "method", "group", "sym", "emb", "smooth", "split", "outliers", "rot"))
+    for suffix, given in (("smooth", smooth), ("split", split), (f"outliers{outliers}", outliers)):
         if given and scheme not in ("8da4w", "8da8w"):
             raise UserError(f"recipe {name!r}: -{suffix} is for int8 activations, which only 8da4w and 8da8w "
                             f"have; drop -{suffix}")
+    if outliers is not None and not 1 <= int(outliers) <= MAX_OUTLIER_CHANNELS:
+        raise UserError(f"recipe {name!r}: -outliers{outliers} keeps 1 to {MAX_OUTLIER_CHANNELS} channels float "
+                        "per linear; use e.g. -outliers16")
     method = method or "rtn"
     act_order = method != "gptq-noact"
     clip = method != "awq-noclip"
@@ -361,6 +376,7 @@ def parse_recipe(name: str) -> QuantRecipe:
         rotation=RotationSettings() if rot else None,
         smoothing=bool(smooth),
         outlier_split=SPLIT_RATIO if split else 0,
+        outlier_channels=int(outliers or 0),
     )
 
 
