@@ -1,15 +1,16 @@
-"""The android recipe with and without split int8 activations (`-split`): quality and speed, per model.
+"""The android recipe's int8 activations, whole and with their outliers handled: quality and speed, per model.
 
-    python bench/split_activations.py --pairs smollm2-135m=dist/android,dist/android-split \
-        --pairs gemma3-270m=GEMMA_DEFAULT,GEMMA_SPLIT [--tokens 4096] [--rounds 3]
-    python bench/split_activations.py --calibration --pairs smollm2-135m= --pairs gemma3-270m=
+    python bench/int8_activations.py --pairs smollm2-135m=dist/android,dist/android-split,dist/android-outliers16 \
+        --pairs gemma3-270m=GEMMA_DEFAULT,GEMMA_SPLIT,GEMMA_OUTLIERS16 [--tokens 4096] [--rounds 3]
+    python bench/int8_activations.py --calibration --pairs smollm2-135m= --pairs gemma3-270m=
 
-For each model, two android bundles built from the same weights (`edgefinfer build -t android` and
-`... --recipe 8da4w-g32-fzp-split`): perplexity change against the float model on each held-out domain,
-measured by ExecuTorch on --tokens tokens per domain (1024-token deltas move by a point or two with int8
-activations, see bench/gemma3.py `heldout_long`), then decode and prefill speed, both bundles back to
+For each model, android bundles built from the same weights: the default (`edgefinfer build -t android`)
+first, then variants of its recipe (`--recipe 8da4w-g32-fzp-split`, `...-outliers16`), each labelled by
+the suffix its recipe adds. Perplexity change against the float model on each held-out domain, measured
+by ExecuTorch on --tokens tokens per domain (1024-token deltas move by a point or two with int8
+activations, see bench/gemma3.py `heldout_long`), then decode and prefill speed, all bundles back to
 back in each round (each engine in its own process, bench/runtime.py's child) at 1 and 2 threads, as
-the median and spread of the per-round ratios split / default. Writes bench/results/split_activations.json.
+the median and spread of the per-round ratios variant / default. Writes bench/results/int8_activations.json.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def quality(model_name: str, bundles: dict[str, Path], args) -> dict:
     out = {"float_ppl": float_ppl}
     for label, path in bundles.items():
         out[label] = measured_bundle(path, float_ppl, args)
-        print(f"[split] {model_name} {label}: {json.dumps(out[label]['ppl_delta_pct'])}", file=sys.stderr, flush=True)
+        print(f"[int8] {model_name} {label}: {json.dumps(out[label]['ppl_delta_pct'])}", file=sys.stderr, flush=True)
     return out
 
 
@@ -85,12 +86,12 @@ def calibration(model_name: str, args) -> dict:
             out[f"{label}_ppl"] = perplexity(lambda t: quantized(t), ids, window=256, stride=256,
                                              prefix=tok.scoring_prefix).ppl
     out["split_wins_back_pct"] = round(100 * (out["whole_ppl"] / out["split_ppl"] - 1), 2)
-    print(f"[split] {model_name} calibration text: {json.dumps(out)}", file=sys.stderr, flush=True)
+    print(f"[int8] {model_name} calibration text: {json.dumps(out)}", file=sys.stderr, flush=True)
     return out
 
 
 def speed(model_name: str, bundles: dict[str, Path], args) -> list[dict]:
-    """Decode / prefill of both bundles, back to back in each round, at 1 and 2 threads."""
+    """Decode / prefill of every bundle, back to back in each round, at 1 and 2 threads."""
     from edgefinfer.data.corpora import load_text
     from edgefinfer.model import reference
     from edgefinfer.tokenization.tokenizer import Tokenizer
@@ -104,26 +105,25 @@ def speed(model_name: str, bundles: dict[str, Path], args) -> list[dict]:
         for r in range(args.rounds):
             for label, path in bundles.items():
                 runs[label].append(measure("ours", "executorch", path / "model.pte", prompt, DECODE_TOKENS, threads))
-                print(f"[split] {model_name} {threads} thr round {r} {label}: "
+                print(f"[int8] {model_name} {threads} thr round {r} {label}: "
                       f"{runs[label][-1]['decode_tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
-        decode = {label: [g["decode_tok_s"] for g in got] for label, got in runs.items()}
-        prefill = {label: [g["prefill_tok_s"] for g in got] for label, got in runs.items()}
-        decode_ratio = [s / d for s, d in zip(decode["split"], decode["default"])]
-        prefill_ratio = [s / d for s, d in zip(prefill["split"], prefill["default"])]
-        rows.append({"model": model_name, "threads": threads,
-                     **{f"{label}_decode_tok_s": statistics.median(v) for label, v in decode.items()},
-                     **{f"{label}_prefill_tok_s": statistics.median(v) for label, v in prefill.items()},
-                     "decode_ratio": statistics.median(decode_ratio),
-                     "decode_ratio_range": [min(decode_ratio), max(decode_ratio)],
-                     "prefill_ratio": statistics.median(prefill_ratio),
-                     "prefill_ratio_range": [min(prefill_ratio), max(prefill_ratio)]})
+        row: dict = {"model": model_name, "threads": threads, "bundles": list(bundles)}
+        for kind in ("decode", "prefill"):
+            got = {label: [g[f"{kind}_tok_s"] for g in runs[label]] for label in bundles}
+            for label, values in got.items():
+                row[f"{label}_{kind}_tok_s"] = statistics.median(values)
+                if label != "default":  # per round: the variant over the default measured beside it
+                    ratios = [v / d for v, d in zip(values, got["default"])]
+                    row[f"{label}_{kind}_ratio"] = statistics.median(ratios)
+                    row[f"{label}_{kind}_ratio_range"] = [min(ratios), max(ratios)]
+        rows.append(row)
     return rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pairs", action="append", required=True,
-                    help="MODEL=DEFAULT_BUNDLE,SPLIT_BUNDLE (repeat per model)")
+                    help="MODEL=DEFAULT_BUNDLE,VARIANT_BUNDLE[,...] (repeat per model)")
     ap.add_argument("--tokens", type=int, default=4096, help="held-out tokens per domain")
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=3)
@@ -135,38 +135,56 @@ def main() -> None:
     args = ap.parse_args()
     from edgefinfer.files.user_cache import cache_dir
 
-    args.work = cache_dir() / "bench" / "split_activations"
+    args.work = cache_dir() / "bench" / "int8_activations"
     args.work.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(args.threads)
     load_start = [round(x, 2) for x in os.getloadavg()]
     if args.calibration:
-        path = Path(__file__).parent / "results" / "split_activations.json"
+        path = Path(__file__).parent / "results" / "int8_activations.json"
         result = json.loads(path.read_text()) if path.is_file() else {}
         result["calibration"] = {pair.partition("=")[0]: calibration(pair.partition("=")[0], args)
                                  for pair in args.pairs}
-        result["calibration_command"] = "python bench/split_activations.py " + " ".join(sys.argv[1:])
-        write_results("split_activations", result)
+        result["calibration_command"] = "python bench/int8_activations.py " + " ".join(sys.argv[1:])
+        write_results("int8_activations", result)
         return
-    result = {"command": "python bench/split_activations.py " + " ".join(sys.argv[1:]), "machine": machine(),
+    result = {"command": "python bench/int8_activations.py " + " ".join(sys.argv[1:]), "machine": machine(),
               "versions": versions("executorch", "torchao"), "tokens_per_domain": args.tokens,
               "prompt_tokens": PROMPT_TOKENS, "decode_tokens": DECODE_TOKENS, "rounds": args.rounds,
               "models": {}, "speed": []}
     for pair in args.pairs:
         name, _, paths = pair.partition("=")
-        default, _, split = paths.partition(",")
-        bundles = {"default": Path(default), "split": Path(split)}
+        bundles = labelled([Path(p) for p in paths.split(",")])
         result["models"][name] = quality(name, bundles, args)
         if not args.no_speed:
             result["speed"] += speed(name, bundles, args)
     result["load_avg"] = {"start": load_start, "end": [round(x, 2) for x in os.getloadavg()]}
-    write_results("split_activations", result)
+    write_results("int8_activations", result)
     table = [{"model": m, "bundle": label, "recipe": q[label]["recipe"],
               **{d: f"{v:+.2f}%" for d, v in q[label]["ppl_delta_pct"].items()}}
-             for m, q in result["models"].items() for label in ("default", "split")]
+             for m, q in result["models"].items() for label in q if label != "float_ppl"]
     print_table(table, ["model", "bundle", "recipe", *next(iter(result["models"].values()))["float_ppl"]])
-    if result["speed"]:
-        print_table(result["speed"], ["model", "threads", "default_decode_tok_s", "split_decode_tok_s", "decode_ratio",
-                                      "default_prefill_tok_s", "split_prefill_tok_s", "prefill_ratio"])
+    for row in result["speed"]:
+        print_table([{"model": row["model"], "threads": row["threads"], "bundle": label,
+                      "decode_tok_s": row[f"{label}_decode_tok_s"], "prefill_tok_s": row[f"{label}_prefill_tok_s"],
+                      "decode_ratio": row.get(f"{label}_decode_ratio", 1.0),
+                      "prefill_ratio": row.get(f"{label}_prefill_ratio", 1.0)} for label in row["bundles"]],
+                    ["model", "threads", "bundle", "decode_tok_s", "prefill_tok_s", "decode_ratio", "prefill_ratio"])
+
+
+def labelled(paths: list[Path]) -> dict[str, Path]:
+    """{"default": the first bundle, SUFFIX: each other one}, SUFFIX what its recipe adds to the first's
+    (`8da4w-g32-fzp-split` over `8da4w-g32-fzp`: "split")."""
+    from edgefinfer.bundle.manifest import load_manifest
+
+    recipes = [load_manifest(p).recipe["name"] for p in paths]
+    base = recipes[0]
+    out = {"default": paths[0]}
+    for path, recipe in zip(paths[1:], recipes[1:]):
+        label = recipe[len(base) + 1:] if recipe.startswith(base + "-") else recipe
+        if label in out:
+            raise SystemExit(f"two bundles with recipe {recipe}: give each variant once")
+        out[label] = path
+    return out
 
 
 if __name__ == "__main__":
