@@ -75,12 +75,24 @@ def test_mixed_precision_from_the_command_line(run, capsys, tiny_dir, tmp_path):
     (["-r", "int4-gptq-g32", "--calib-blocks", "0"], "calibration set is empty"),
     (["-r", "int4-g32", "--mixed-budget", "1kb", "--calib-blocks", "1", "--calib-len", "16"], "below the smallest"),
     (["-r", "int4-g32", "--mixed-budget", "lots"], "cannot read the size 'lots'"),
+    (["-r", "8da4w-g32-outliers4", "--calib-blocks", "0"], "picking the float outlier channels needs at least one"),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(run, capsys, tiny_dir, tmp_path, args, message):
     code, out = run(capsys, str(tiny_dir), "-o", str(tmp_path / "x"), "--eval-tokens", "0", *args)
     assert code == 2
     assert message in out and out.startswith("error: ") and out.count("\n") == 1, out
     assert not (tmp_path / "x").exists()
+
+
+def test_outlier_channels_are_picked_on_the_calibration_text_and_kept_in_the_checkpoint(run, capsys, tiny_dir,
+                                                                                        tmp_path):
+    code, out = run(capsys, str(tiny_dir), "-r", "8da4w-g32-fzp-outliers4", "-o", str(tmp_path / "q"),
+                    "--calib-blocks", "4", "--calib-len", "32", "--eval-tokens", "0")
+    assert code == 0, out
+    assert "[outliers] 4 float input channels in each of 14 linears" in out  # 2 layers x q, k, v, o, gate, up, down
+    model, recipe = load_quantized(tmp_path / "q")
+    assert recipe.outlier_channels == 4
+    assert model.model.layers[1].mlp.down_proj.float_cols.numel() == 4 and model.lm_head.float_cols is None
 
 
 def test_empty_calibration_text(run, capsys, tiny_dir, tmp_path):

@@ -98,7 +98,8 @@ def quantize(model: str, recipe_name: str, output: Path, calib_blocks: int, cali
 
     calib = None
     if recipe.needs_calibration or use_mixed:
-        needs = recipe.method if recipe.method != "rtn" else "smoothing the int8 activations"
+        needs = (recipe.method if recipe.method != "rtn" else "smoothing the int8 activations" if recipe.smoothing
+                 else "picking the float outlier channels" if recipe.outlier_channels else "mixed precision")
         calib = _calibration_blocks(tok, calib_text, calib_len, calib_blocks, seed, needs, calib_split)
 
     extra: dict = {"model": str(folder), "calib_blocks": 0 if calib is None else calib.shape[0],
