@@ -282,9 +282,9 @@ class FloatChannelsLinear(nn.Module):
     cuts the layer's delegate in two; a multiply by a constant and two small float linears it takes
     (P x is exact: each output is one input times 1.0).
 
-    C is read in full for every decode token: n float32 columns weigh as much as 8n of the int4 ones,
-    which is what the float channels cost a decode step (folding P into a float zero point's group-sum
-    linear, one op fewer, was no faster: measured on SmolLM2)."""
+    What a decode step pays is the four small ops, hardly n: 4 and 16 float channels cost about the
+    same (bench/results/int8_activations.json). Folding P into a float zero point's group-sum linear
+    (one op fewer, a [G + n, K] float matrix) was no faster on SmolLM2, and larger."""
 
     def __init__(self, inner: nn.Module, cols: Tensor, weight: Tensor):
         """cols [n] int64 of the K inputs; weight [N, K] the (symmetric part of the) dequantized matrix."""
