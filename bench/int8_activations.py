@@ -10,7 +10,8 @@ the suffix its recipe adds. Perplexity change against the float model on each he
 by ExecuTorch on --tokens tokens per domain (1024-token deltas move by a point or two with int8
 activations, see bench/gemma3.py `heldout_long`), then decode and prefill speed, all bundles back to
 back in each round (each engine in its own process, bench/runtime.py's child) at 1 and 2 threads, as
-the median and spread of the per-round ratios variant / default. Writes bench/results/int8_activations.json.
+the median and spread of the per-round ratios variant / default. Writes bench/results/int8_activations.json
+and a plot of worst-domain quality against decode speed, int8_activations.png.
 """
 
 from __future__ import annotations
@@ -159,6 +160,7 @@ def main() -> None:
             result["speed"] += speed(name, bundles, args)
     result["load_avg"] = {"start": load_start, "end": [round(x, 2) for x in os.getloadavg()]}
     write_results("int8_activations", result)
+    plot(result, Path(__file__).parent / "results" / "int8_activations.png")
     table = [{"model": m, "bundle": label, "recipe": q[label]["recipe"],
               **{d: f"{v:+.2f}%" for d, v in q[label]["ppl_delta_pct"].items()}}
              for m, q in result["models"].items() for label in q if label != "float_ppl"]
@@ -169,6 +171,36 @@ def main() -> None:
                       "decode_ratio": row.get(f"{label}_decode_ratio", 1.0),
                       "prefill_ratio": row.get(f"{label}_prefill_ratio", 1.0)} for label in row["bundles"]],
                     ["model", "threads", "bundle", "decode_tok_s", "prefill_tok_s", "decode_ratio", "prefill_ratio"])
+
+
+def plot(result: dict, path: Path) -> None:
+    """Per model, each bundle's worst held-out perplexity change against its decode speed over the
+    default's (1 thread): the trade the recipes offer, down and to the right is better."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot", file=sys.stderr)
+        return
+    models = list(result["models"])
+    fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        quality = result["models"][model]
+        speed = next((r for r in result["speed"] if r["model"] == model and r["threads"] == 1), None)
+        for label in (k for k in quality if k != "float_ppl"):
+            worst = max(quality[label]["ppl_delta_pct"].values())
+            ratio = 1.0 if label == "default" or speed is None else speed[f"{label}_decode_ratio"]
+            ax.scatter(ratio, worst, color="tab:gray" if label == "default" else "tab:blue")
+            ax.annotate(label, (ratio, worst), textcoords="offset points", xytext=(5, 4))
+        ax.set_xlabel("decode speed vs the default (1 thread, ExecuTorch)")
+        ax.set_ylabel("worst held-out perplexity change, %")
+        ax.set_title(model)
+        ax.grid(alpha=0.3)
+    fig.suptitle("android recipes: int8 activations whole, split, or with float outlier channels")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def labelled(paths: list[Path]) -> dict[str, Path]:
