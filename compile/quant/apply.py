@@ -20,7 +20,7 @@ from edgefinfer.compile.quant.calibrate import (INPUT_GROUPS, ActivationSampler,
 from edgefinfer.compile.quant.gptq import gptq_damp_sweep, gptq_quantize
 from edgefinfer.model.transformer import first_rows
 from edgefinfer.compile.quant.modules import Fp8Linear, QuantEmbedding, QuantLinear, model_size_bytes, tied_head
-from edgefinfer.compile.quant.outliers import keep_outliers_float
+from edgefinfer.compile.quant.outliers import decoder_int8_linears, keep_outliers_float
 from edgefinfer.compile.quant.primitives import IntWeights, quantize_fp8, quantize_int
 from edgefinfer.compile.quant.recipe import QuantRecipe, WeightFormat
 from edgefinfer.compile.quant.rotation import check_rotatable, rotate_model
@@ -156,10 +156,8 @@ def quantize_model(model: Transformer, recipe: QuantRecipe, calib: Tensor | None
             continue
         set_module(model, name, _quantized_linear(module, fmt, act_quant, name))
     if recipe.outlier_split and act_quant:  # decoder linears only: the head's input is one norm's output
-        for layer in layers:
-            for module in layer.modules():
-                if isinstance(module, QuantLinear):
-                    module.act_split = recipe.outlier_split
+        for _, module in decoder_int8_linears(model):
+            module.act_split = recipe.outlier_split
     if recipe.outlier_channels and act_quant:  # on the quantized model: the inputs it will see
         t = time.perf_counter()
         count = keep_outliers_float(model, calib, recipe.outlier_channels, batch_size)

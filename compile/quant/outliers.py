@@ -34,7 +34,7 @@ def input_absmax(model: Transformer, calib: Tensor, batch_size: int = 8) -> dict
         a = x.abs().amax(0)
         seen[name] = torch.maximum(seen[name], a) if name in seen else a
 
-    observe_inputs(model, calib, dict(_int8_linears(model)), record, batch_size)
+    observe_inputs(model, calib, dict(decoder_int8_linears(model)), record, batch_size)
     return seen
 
 
@@ -45,7 +45,7 @@ def keep_outliers_float(model: Transformer, calib: Tensor | None, n: int, batch_
         raise UserError(f"-outliers{n} picks its channels on calibration text, but none was given: pass "
                         "calibration blocks (e.g. --calib-blocks 16) or drop -outliers")
     absmax = input_absmax(model, calib, batch_size)
-    for name, module in _int8_linears(model):
+    for name, module in decoder_int8_linears(model):
         if n >= module.in_features:
             raise UserError(f"-outliers{n} keeps more channels than {name} has inputs ({module.in_features}); "
                             "use fewer")
@@ -54,7 +54,7 @@ def keep_outliers_float(model: Transformer, calib: Tensor | None, n: int, batch_
     return len(absmax)
 
 
-def _int8_linears(model: Transformer) -> list[tuple[str, QuantLinear]]:
+def decoder_int8_linears(model: Transformer) -> list[tuple[str, QuantLinear]]:
     """The decoder's linears with int8 activations, by full name (not the head, as -split leaves it)."""
     return [(f"model.layers.{i}.{name}", m) for i, layer in enumerate(model.model.layers)
             for name, m in layer.named_modules() if isinstance(m, QuantLinear) and m.act_quant]
