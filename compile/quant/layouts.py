@@ -326,11 +326,13 @@ def torchao_model(model: nn.Module, dtype: torch.dtype = torch.float32) -> nn.Mo
         if split:
             bias = None if module.bias is None else module.bias.detach().to(dtype)
             new = OutlierSplitLinear(new, module.act_split, bias)
-        if isinstance(module, QuantLinear) and module.act_quant and module.float_cols is not None:
-            symmetric = module.offset_split()[0] if module.fmt.float_zero else module.dequantized()
-            new = FloatChannelsLinear(new, module.float_cols, symmetric.to(dtype))
-        if isinstance(module, QuantLinear) and module.fmt.float_zero:
-            new = OffsetLinear(new, module.offset_split()[1].to(dtype), module.group_size)
+        if isinstance(module, QuantLinear):  # a float zero point's split is one dequantization: taken once
+            symmetric, offsets = module.offset_split() if module.fmt.float_zero else (None, None)
+            if module.act_quant and module.float_cols is not None:
+                symmetric = symmetric if symmetric is not None else module.dequantized()
+                new = FloatChannelsLinear(new, module.float_cols, symmetric.to(dtype))
+            if offsets is not None:
+                new = OffsetLinear(new, offsets.to(dtype), module.group_size)
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
     return model

@@ -44,11 +44,13 @@ def keep_outliers_float(model: Transformer, calib: Tensor | None, n: int, batch_
     if calib is None or calib.numel() == 0:
         raise UserError(f"-outliers{n} picks its channels on calibration text, but none was given: pass "
                         "calibration blocks (e.g. --calib-blocks 16) or drop -outliers")
-    absmax = input_absmax(model, calib, batch_size)
-    for name, module in decoder_int8_linears(model):
+    linears = decoder_int8_linears(model)
+    for name, module in linears:  # before the calibration pass, which a bad N would waste
         if n >= module.in_features:
             raise UserError(f"-outliers{n} keeps more channels than {name} has inputs ({module.in_features}); "
                             "use fewer")
+    absmax = input_absmax(model, calib, batch_size)
+    for name, module in linears:
         cols = absmax[name].topk(n).indices.sort().values  # sorted: identical inputs give identical buffers
         module.register_buffer("float_cols", cols)
     return len(absmax)
