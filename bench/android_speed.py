@@ -2,6 +2,7 @@
 
     python bench/android_speed.py [--bundle dist/android] [--rounds 3] [--threads 1]   # android_speed.json
     python bench/android_speed.py --threads 2      # android_speed-2threads.json
+    python bench/android_speed.py --bundle OTHER --name android_speed-other   # another recipe, its own file
 
 Issue 12 keeps a speed floor under the quality-first android default: its decode speed must stay at or
 above onnxruntime-genai's int4 (the fastest peer in bench/runtime.py). Identical runs of one .pte
@@ -31,6 +32,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--name", help="results file stem (default android_speed[-Nthreads])")
     args = ap.parse_args()
     from edgefinfer.model import reference
     from edgefinfer.bundle.manifest import load_manifest
@@ -67,8 +69,8 @@ def main() -> None:
     print_table(rounds, ["round", "ours_decode_tok_s", "genai_decode_tok_s", "ratio"])
     print(f"\n{recipe} .pte vs onnxruntime-genai int4: median ratio {summary['median_ratio']:.2f}x "
           f"(range {summary['min_ratio']:.2f}-{summary['max_ratio']:.2f}, {args.rounds} rounds, {args.threads} thread)")
-    name = "android_speed" if args.threads == 1 else f"android_speed-{args.threads}threads"
-    path = write_results(name, {**summary, "rounds": rounds, "threads": args.threads,
+    name = args.name or ("android_speed" if args.threads == 1 else f"android_speed-{args.threads}threads")
+    path = write_results(name, {"command": " ".join(["python", "bench/android_speed.py", *sys.argv[1:]]), **summary, "rounds": rounds, "threads": args.threads,
                                            "prompt_tokens": 128, "decode_tokens": args.tokens,
                                            "machine": machine(),
                                            "versions": versions("executorch", "onnxruntime-genai")})
