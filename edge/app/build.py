@@ -669,10 +669,11 @@ def print_summary(target: Target, recipe: str, artefact: str, size: int, float_p
     def fmt(v, spec):
         return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
 
+    w = max(20, len(recipe))  # the recipe column fits the name (8da4w-g32-fzp-outliers16)
     print()
-    print(f"{'target':<13} {'recipe':<20} {'artefact':<16} {'size MiB':>9} {'ppl':>8} {'vs float':>9} "
+    print(f"{'target':<13} {'recipe':<{w}} {'artefact':<16} {'size MiB':>9} {'ppl':>8} {'vs float':>9} "
           f"{'decode tok/s':>12} {'build s':>8}")
-    print(f"{target.name:<13} {recipe:<20} {artefact:<16} {size / 2**20:>9.1f} {fmt(figures.get('ppl'), '8.3f'):>8} "
+    print(f"{target.name:<13} {recipe:<{w}} {artefact:<16} {size / 2**20:>9.1f} {fmt(figures.get('ppl'), '8.3f'):>8} "
           f"{fmt(figures.get('ppl_delta_pct'), '+8.2f'):>8}% {fmt(figures.get('decode_tok_s'), '12.1f'):>12} "
           f"{build_s:>8.1f}")
     if float_ppl is not None:
