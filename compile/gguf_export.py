@@ -493,17 +493,18 @@ def gguf_types_for(model: Transformer, recipe) -> dict[str, str]:
 
 
 def _repack(name: str, module, permute_heads: int | None):
-    """(bytes, type) of a group-32 int4 / int8 layer as Q4_0 (sym), Q4_1 (asym) or Q8_0 (sym)."""
+    """(bytes, type) of a group-32 int4 / int5 / int8 layer as Q4_0 (sym), Q4_1 (asym), Q5_0 (sym) or
+    Q8_0 (sym)."""
     import gguf
 
-    from edgefinfer.compile.quant.layouts import gguf_type_of, to_gguf_q4_0, to_gguf_q4_1, to_gguf_q8_0
+    from edgefinfer.compile.quant.layouts import gguf_type_of, to_gguf_q4_0, to_gguf_q4_1, to_gguf_q5_0, to_gguf_q8_0
 
     if getattr(module, "act_quant", False):
         raise no_gguf_type(name, f"{module.fmt.label()} with int8 dynamic activations")
     qtype = gguf_type_of(module.fmt, getattr(module, "group_size", None))
     if qtype is None:
         raise no_gguf_type(name, module.fmt.label())
-    data = {"Q4_0": to_gguf_q4_0, "Q4_1": to_gguf_q4_1, "Q8_0": to_gguf_q8_0}[qtype](module)  # [N, bytes per row]
+    data = {"Q4_0": to_gguf_q4_0, "Q4_1": to_gguf_q4_1, "Q5_0": to_gguf_q5_0, "Q8_0": to_gguf_q8_0}[qtype](module)  # [N, bytes per row]
     if permute_heads is not None:  # rows are independent: permuting them commutes with quantization
         data = permute_qk(data, permute_heads)
     return data, gguf.GGMLQuantizationType[qtype]

@@ -105,6 +105,56 @@ def test_quantized_model_repacks_bit_for_bit(tmp_path, tok, recipe, linears, emb
         h.remove()
 
 
+def test_q5_0_holds_llamacpps_own_blocks_byte_for_byte():
+    """int5 in symmetric groups of 32 takes Q5_0's sign convention (a group whose largest magnitude is
+    positive gets a negative scale), so weights read from a Q5_0 file quantize back to their codes and
+    re-pack into the very bytes gguf-py's reference quantizer wrote."""
+    import gguf
+
+    from edgefinfer.bundle.quant_recipe import WeightFormat
+    from edgefinfer.compile.quant.layouts import to_gguf_q5_0
+    from edgefinfer.compile.quant.primitives import dequantize_int, quantize_int
+
+    w = np.random.default_rng(0).standard_normal((8, 128)).astype(np.float32)
+    w[0, :32] = np.abs(w[0, :32])  # one group all positive
+    source = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q5_0)  # [8, 4 * 22]
+    weights = gguf.quants.dequantize(source, gguf.GGMLQuantizationType.Q5_0).reshape(8, 128)
+    fmt = WeightFormat(kind="int", bits=5, group_size=32, symmetric=True)
+    q = quantize_int(torch.from_numpy(weights), fmt)
+    assert (q.scales < 0).sum() >= 8 and q.scales[0, 0] < 0  # about half the groups, and the positive one
+    assert torch.equal(dequantize_int(q.codes, q.scales, q.zeros), torch.from_numpy(weights))
+    module = QuantLinear.from_float(torch.nn.Linear(128, 8, bias=False), fmt, q)
+    assert np.array_equal(to_gguf_q5_0(module), source)
+
+
+@pytest.mark.llamacpp
+def test_int5_layers_go_into_q5_0_and_llamacpp_computes_them(tmp_path, tok):
+    """Matrices kept at 5 bits (a source GGUF's Q5_0, beside a 4-bit recipe) are written as Q5_0 bit for
+    bit, and llama.cpp's logits are our eager quantized model's."""
+    from edgefinfer.bundle.quant_recipe import WeightFormat
+
+    model = model_for(tok)
+    ids = tok.encode(PROMPT)
+    float_logits = eager_logits(model, ids)
+    int5 = WeightFormat(kind="int", bits=5, group_size=32, symmetric=True)
+    kept = {"model.layers.0.self_attn.q_proj": int5, "model.layers.1.mlp.up_proj": int5}
+    quantize_model(model, parse_recipe("int4-g32-sym").with_overrides(kept))
+    export_gguf(model, tok, tmp_path / "q.gguf", "f16")
+    types = {t.name: t.tensor_type.name for t in open_gguf(tmp_path / "q.gguf").reader.tensors}
+    assert types["blk.0.attn_q.weight"] == types["blk.1.ffn_up.weight"] == "Q5_0"
+    assert types["blk.1.attn_q.weight"] == "Q4_0"
+    imported, _ = import_gguf(tmp_path / "q.gguf")
+    for name in kept:
+        assert torch.equal(imported.get_submodule(name).weight, model.get_submodule(name).dequantized()), name
+    got = LlamaCppBackend(tmp_path / "q.gguf", n_ctx=128, threads=1, cells=CellFormat("f32", False)).forward(ids, 0)
+    want = eager_logits(model, ids)
+    # As for the other types: llama.cpp's 8-bit activations are a small part of what the weights' rounding
+    # did. (Restating them in eager torch matches Q5_0 to float noise up to the first activation on a
+    # rounding tie, which its non-repacked quantize_row_q8_0 breaks otherwise than torch.round.)
+    assert np.abs(got - want).mean() < 0.1 * np.abs(want - float_logits).mean()
+    assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.9
+
+
 def llamacpp_matmul(module, args, out):
     """A QuantLinear's output as llama.cpp's CPU kernels compute it: activations rounded per block of 32
     (d = amax / 127 stored in fp16, q = round(x / d), as quantize_row_q8_0 / q8_1 do); for Q4_1 the

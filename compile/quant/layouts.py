@@ -124,6 +124,7 @@ def matmulnbits_reference(w: MatMulNBitsWeights) -> np.ndarray:
 
 # GGUF type -> (bits, symmetric, the recipe that produces it).
 GGUF_FORMATS = {"Q4_0": (4, True, "int4-g32-sym"), "Q4_1": (4, False, "int4-g32 or int4-g32-fzp"),
+                "Q5_0": (5, True, "int5-g32-sym (a source GGUF's Q5_0 matrices, kept by `build`)"),
                 "Q8_0": (8, True, "int8-g32")}
 
 
@@ -185,6 +186,21 @@ def to_gguf_q4_1(module: _IntStorage) -> np.ndarray:
                         "re-quantize with this version of edgefinfer (it chooses scales that can)")
     return np.concatenate([_fp16_bytes(d.numpy(), N, nb), _fp16_bytes(m.numpy(), N, nb), _nibbles(module)],
                           -1).reshape(N, nb * 20)
+
+
+def to_gguf_q5_0(module: _IntStorage) -> np.ndarray:
+    """uint8 [N, K / 32 * 22]: fp16 d (negative where the group's largest magnitude is positive, as
+    llama.cpp writes it), 32 fifth bits as a little-endian uint32 (bit j: code j, bit j + 16: code
+    j + 16), then the low nibbles in Q4_0's order; decodes d * (u - 16) for u = code + 16."""
+    _check_gguf(module, "Q5_0")
+    N, K = module.qweight.shape
+    nb = K // GGUF_BLOCK
+    u = (module.qweight.numpy().astype(np.int16) + 16).astype(np.uint32).reshape(N, nb, GGUF_BLOCK)
+    high = ((u >> 4) & 1) << np.arange(GGUF_BLOCK, dtype=np.uint32)  # [N, nb, 32]
+    qh = np.bitwise_or.reduce(high, axis=-1).astype("<u4")[..., None].view(np.uint8)  # [N, nb, 4]
+    low = (u & 0xF).astype(np.uint8)
+    qs = low[..., :16] | (low[..., 16:] << 4)  # [N, nb, 16]
+    return np.concatenate([_fp16_bytes(module.scales.numpy(), N, nb), qh, qs], -1).reshape(N, nb * 22)
 
 
 def to_gguf_q8_0(module: _IntStorage) -> np.ndarray:

@@ -14,6 +14,10 @@ Conventions (shared by every method and every exporter, see docs/QUANTIZATION.md
 * Symmetric int8 uses [-127, 127] with scale amax/127 (XNNPACK's and GGUF Q8_0's convention).
   Symmetric codes below 8 bits use the whole [-2^(b-1), 2^(b-1)-1] range with the smallest scale that
   clips nothing: max(max_pos / qmax, min_neg / qmin), so int4 reaches -8 like GGUF Q4_0.
+  5-bit symmetric groups exist for GGUF's Q5_0 alone (no XNNPACK or MatMulNBits kernel takes 5 bits)
+  and take its convention: the long end of the range, code -16, may sit on either sign, so a group
+  whose largest magnitude is positive gets a negative scale (`SIGNED_SCALE_BITS`). The smaller of the
+  two covering scales is kept, and a matrix read from a Q5_0 file gets back its codes and scales.
 * Asymmetric: scale = (max_pos - min_neg) / (qmax - qmin), an integer zero point in [qmin, qmax]; the
   range always contains 0, so zero is exact (padding and ReLU-like zeros stay zero). Up to 4 bits the
   scale is then bumped up (a few fp16 steps at most, `exact_offset_scale`) until d * (zero + 2^(b-1)) is
@@ -49,6 +53,7 @@ BF16_MAX_IN_FP16 = 65280.0  # the largest bfloat16 value that float16 holds
 SCALE_MIN = 2.0**-14  # smallest normal fp16: all-zero and near-zero groups get this scale
 FP8_MAX = 448.0  # largest finite float8 e4m3fn
 FP8_SCALE_MIN = 1e-12
+SIGNED_SCALE_BITS = (5,)  # symmetric widths whose scale may be negative (GGUF Q5_0's d = max / -16)
 
 
 class IntWeights(NamedTuple):
@@ -120,6 +125,9 @@ def choose_qparams(w: Tensor, bits: int, symmetric: bool, scale_dtype: str = "fl
     max_pos = w.amax(-1).clamp(min=0.0)
     if symmetric:
         scale = round_scale(torch.maximum(max_pos / qmax, min_neg / qmin), scale_dtype)
+        if bits in SIGNED_SCALE_BITS:  # the mirrored grid [qmax * s, -qmin * s] for s < 0
+            flipped = round_scale(torch.maximum(max_pos / -qmin, min_neg / -qmax), scale_dtype)
+            scale = torch.where(flipped < scale, -flipped, scale)
         return scale, torch.zeros_like(scale)
     scale = round_scale((max_pos - min_neg) / (qmax - qmin), scale_dtype)
     zero = (qmin - torch.round(min_neg / scale)).clamp(qmin, qmax)
@@ -304,4 +312,4 @@ def split_outliers(x: Tensor, ratio: int) -> tuple[Tensor, Tensor]:
 def int_error_bound(scales: Tensor, group_size: int) -> Tensor:
     """Largest |w - dequant(quant(w))| of round-to-nearest per element [N, K]: half a step (the
     1e-6 covers the float32 rounding of w / scale)."""
-    return (scales.float() * 0.5 * (1 + 1e-6)).repeat_interleave(group_size, dim=1)
+    return (scales.float().abs() * 0.5 * (1 + 1e-6)).repeat_interleave(group_size, dim=1)
