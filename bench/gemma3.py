@@ -17,7 +17,8 @@ Writes bench/results/gemma3.json:
   perplexity measured by the bundle's own runtime on every held-out domain (1024 tokens each, windows
   of 256) beside the float model's, its size, decode speed, and a chat reply a person can read.
 - `grids` (--grids): each reference model built for gpu-server with llama.cpp's quantizer (Q4_0, Q4_1,
-  Q4_K_M) and ours (GPTQ onto Q4_0's and Q4_1's grids, 8-bit embeddings), perplexity measured by llama.cpp
+  Q4_K_M) and ours (GPTQ onto Q4_0's and Q4_1's grids, 8-bit embeddings; int4-g32-fzp by round to nearest,
+  which keeps a source GGUF's Q5_0 matrices as Q5_0 and its Q6_K / Q8_0 ones as Q8_0), perplexity measured by llama.cpp
   on the same test tokens: the second opinion on the defaults, since each model sits on a different grid;
 - `fzp_search` (--fzp-search): the linux-x86_64 default's quantization (int4-g32-fzp, the matrices the
   GGUF stored above 4 bits at int8) in eager torch, each held-out domain, with the float zero point's grid
@@ -145,7 +146,7 @@ def heldout_ppl(logits_fn, tok, tokens: int, window: int) -> dict:
 
 
 IMATRIX = "llamacpp-q4_k_m-imatrix"  # llama.cpp's own tools, not a build recipe (see check_imatrix)
-GRID_RECIPES = ("llamacpp-q4_0", "int4-gptq-g32-sym-emb8", "llamacpp-q4_1", "int4-gptq-g32-fzp-emb8",
+GRID_RECIPES = ("llamacpp-q4_0", "int4-gptq-g32-sym-emb8", "llamacpp-q4_1", "int4-gptq-g32-fzp-emb8", "int4-g32-fzp",
                 "llamacpp-q4_k_m", IMATRIX)
 
 

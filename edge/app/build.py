@@ -193,7 +193,7 @@ def _choose_recipe(source: _Source, target: Target, given: Recipe | None, opts: 
     # explicit one (--requantize-source takes the recipe literally; a quality budget measures its
     # candidates anyway).
     keep = not opts.requantize_source and opts.quality_budget is None
-    kept = source_precision(source.folder, recipe) if keep else {}
+    kept = source_precision(source.folder, recipe, target.format) if keep else {}
     model = source.model
     if source.prequantized is not None:  # `edgefinfer quantize` already chose: export those codes as they are
         if opts.recipe or opts.quality_budget is not None:
@@ -209,7 +209,7 @@ def _choose_recipe(source: _Source, target: Target, given: Recipe | None, opts: 
     else:
         if source.prequantized is None:
             done = log.step(3, N_STEPS, f"quantize ({recipe.name})")
-            check_recipe(model, target, recipe)
+            check_recipe(model, target, recipe, kept)
             if kept:
                 print(f"  {len(kept)} matrices stay at 8 bits: the GGUF the weights came from stored them with "
                       "more bits than the recipe's (--requantize-source to quantize them too)", file=sys.stderr)
@@ -528,8 +528,9 @@ def evaluate_artefact(target: Target, path: Path, test_ids: list[int], float_ppl
             **({"measured_on": "onnxruntime CPU EP, QDQ graphs"} if target.format == "qnn-context" else {})}
 
 
-def check_recipe(model, target: Target, recipe: Recipe) -> None:
-    """A one-line UserError, before any work, if `recipe` cannot make `target`'s artefact from `model`."""
+def check_recipe(model, target: Target, recipe: Recipe, overrides: dict[str, Any] | None = None) -> None:
+    """A one-line UserError, before any work, if `recipe` (with per-module format `overrides`: the
+    matrices kept at their source's precision) cannot make `target`'s artefact from `model`."""
     if recipe.kind in (RecipeKind.FLOAT, RecipeKind.QDQ):
         return  # the exporters check these themselves, up front
     if recipe.kind is RecipeKind.LLAMACPP:
@@ -541,7 +542,7 @@ def check_recipe(model, target: Target, recipe: Recipe) -> None:
         return
     from edgefinfer.compile.quant.apply import plan_formats
 
-    parsed = recipe.quant
+    parsed = recipe.quant.with_overrides(overrides) if overrides else recipe.quant
     plan_formats(model, parsed)  # group sizes that do not divide the model's widths, tied-head formats
     if target.format == "gguf":
         from edgefinfer.compile.gguf_export import gguf_types_for

@@ -85,21 +85,28 @@ def quant_recipe_of(name: str | None) -> QuantRecipe | None:
         return None
 
 
-def source_precision(folder: str | Path, recipe: Recipe) -> dict[str, WeightFormat]:
-    """Module -> the 8-bit format for each matrix that the GGUF the weights were converted from stored
-    above `recipe`'s bits (Gemma 3 270M's Q4_K_M: Q5_0 where a row of 640 fits no K-quant, Q6_K and Q8_0
-    beside Q4_K). Re-rounding a 5- or 6-bit grid to 4 bits loses what the source kept; per-channel int8
-    is what both the XNNPACK and the MatMulNBits exports take beside 4-bit layers. Empty for recipes
-    outside our integer grammar and for models not converted from a GGUF. `edgefinfer build` and
-    `edgefinfer quantize` both keep these unless told to re-quantize them (--requantize-source)."""
-    from edgefinfer.model.gguf_import import source_tensor_bits
+def source_precision(folder: str | Path, recipe: Recipe, artefact_format: str | None = None
+                     ) -> dict[str, WeightFormat]:
+    """Module -> the format for each matrix that the GGUF the weights were converted from stored above
+    `recipe`'s bits (Gemma 3 270M's Q4_K_M: Q5_0 where a row of 640 fits no K-quant, Q6_K and Q8_0
+    beside Q4_K). Re-rounding a 5- or 6-bit grid to 4 bits loses what the source kept. Per-channel int8
+    is what both the XNNPACK and the MatMulNBits exports take beside 4-bit layers. A GGUF
+    (`artefact_format` "gguf") keeps its source's types where ours are the same grid, so that the
+    file is the size its source was: Q5_0 as int5 in symmetric groups of 32 (the same codes and
+    scales, `primitives.SIGNED_SCALE_BITS`), everything else as int8 in such groups, Q8_0 (a Q8_0 source
+    exactly, a 6-bit one within an eighth of its step). Empty for recipes outside our integer grammar
+    and for models not converted from a GGUF. `edgefinfer build` and `edgefinfer quantize` both keep
+    these unless told to re-quantize them (--requantize-source)."""
+    from edgefinfer.model.gguf_import import TYPE_BITS, source_tensor_types
 
-    bits = source_tensor_bits(folder)
-    if not bits or not recipe.quantized_by_us:
+    types = source_tensor_types(folder)
+    if not types or not recipe.quantized_by_us:
         return {}
     weights = recipe.quant.weights
     if weights.kind != "int":
         return {}
-    int8 = WeightFormat(kind="int", bits=8, group_size=None, symmetric=True)
-    return {name: int8 for name, b in bits.items()
-            if b > weights.bits and name not in ("model.embed_tokens", "lm_head")}  # those: the recipe's -emb
+    gguf = artefact_format == "gguf"
+    int8 = WeightFormat(kind="int", bits=8, group_size=32 if gguf else None, symmetric=True)
+    q5_0 = WeightFormat(kind="int", bits=5, group_size=32, symmetric=True)
+    return {name: q5_0 if gguf and t == "Q5_0" else int8 for name, t in types.items()
+            if TYPE_BITS.get(t, 0) > weights.bits and name not in ("model.embed_tokens", "lm_head")}  # those: -emb

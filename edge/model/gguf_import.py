@@ -656,14 +656,20 @@ def tensor_types(g: GGUFFile, config: ModelConfig) -> dict[str, str]:
     return types
 
 
-def source_tensor_bits(folder: str | Path) -> dict[str, int]:
-    """Module name -> bits per weight its matrix had in the GGUF a HF folder was converted from (empty:
-    not from a GGUF, or unrecorded): a re-quantization should not go below them."""
+def source_tensor_types(folder: str | Path) -> dict[str, str]:
+    """Module name -> the GGUF type ("Q5_0") its matrix had in the GGUF a HF folder was converted from
+    (empty: not from a GGUF, or unrecorded)."""
     try:
         types = json.loads((Path(folder) / SOURCE_FILE).read_text()).get("tensor_types") or {}
     except (OSError, ValueError, AttributeError):
         return {}
-    return {name: TYPE_BITS[t] for name, t in types.items() if isinstance(t, str) and t in TYPE_BITS}
+    return {name: t for name, t in types.items() if isinstance(t, str)}
+
+
+def source_tensor_bits(folder: str | Path) -> dict[str, int]:
+    """Module name -> bits per weight its matrix had in the GGUF a HF folder was converted from (empty:
+    not from a GGUF, or unrecorded): a re-quantization should not go below them."""
+    return {name: TYPE_BITS[t] for name, t in source_tensor_types(folder).items() if t in TYPE_BITS}
 
 
 def source_gguf_type(folder: str | Path) -> str | None:
