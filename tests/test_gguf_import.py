@@ -20,7 +20,7 @@ from edgefinfer.model import gguf_import
 from edgefinfer.model.checkpoint import load_model
 from edgefinfer.model.config import ModelConfig
 from edgefinfer.errors import UserError
-from edgefinfer.model.gguf_import import convert_gguf, import_gguf, source_gguf_type, source_tensor_bits, unpermute_qk
+from edgefinfer.model.gguf_import import convert_gguf, import_gguf, source_gguf_type, source_tensor_types, unpermute_qk
 from edgefinfer.model.transformer import Transformer
 from edgefinfer.tokenization.tokenizer import Tokenizer
 
@@ -332,7 +332,7 @@ def test_convert_gguf_writes_a_folder_that_loads_back(tmp_path, vocab, ids):
     assert set(recorded["tensor_types"]) == {n.removesuffix(".weight") for n, t in model.state_dict().items()
                                              if t.dim() == 2 and not (n == "lm_head.weight"
                                                                       and model.config.tie_word_embeddings)}
-    assert source_tensor_bits(out)["model.layers.1.mlp.down_proj"] == 8 and source_tensor_bits(tmp_path) == {}
+    assert source_tensor_types(out)["model.layers.1.mlp.down_proj"] == "Q8_0" and source_tensor_types(tmp_path) == {}
     loaded, loaded_tok = load_model(out), Tokenizer.from_dir(out)
     np.testing.assert_array_equal(our_logits(loaded, ids), our_logits(model, ids))
     assert loaded_tok.encode(VARIED_TEXT, add_special_tokens=True) == tok.encode(VARIED_TEXT, add_special_tokens=True)

@@ -211,8 +211,10 @@ def _choose_recipe(source: _Source, target: Target, given: Recipe | None, opts: 
             done = log.step(3, N_STEPS, f"quantize ({recipe.name})")
             check_recipe(model, target, recipe, kept)
             if kept:
-                print(f"  {len(kept)} matrices stay at 8 bits: the GGUF the weights came from stored them with "
-                      "more bits than the recipe's (--requantize-source to quantize them too)", file=sys.stderr)
+                bits = ", ".join(f"{sum(f.bits == b for f in kept.values())} at {b} bits"
+                                 for b in sorted({f.bits for f in kept.values()}, reverse=True))
+                print(f"  {len(kept)} matrices stay above the recipe's bits ({bits}): the GGUF the weights came "
+                      "from stored them so (--requantize-source to quantize them too)", file=sys.stderr)
             quantized = quantize_for(model, target, recipe, source.tokenizer, kept)
         candidates = iter([(recipe, quantized)])
     first, quantized = next(candidates, (None, None))

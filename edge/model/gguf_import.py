@@ -666,11 +666,6 @@ def source_tensor_types(folder: str | Path) -> dict[str, str]:
     return {name: t for name, t in types.items() if isinstance(t, str)}
 
 
-def source_tensor_bits(folder: str | Path) -> dict[str, int]:
-    """Module name -> bits per weight its matrix had in the GGUF a HF folder was converted from (empty:
-    not from a GGUF, or unrecorded): a re-quantization should not go below them."""
-    return {name: TYPE_BITS[t] for name, t in source_tensor_types(folder).items() if t in TYPE_BITS}
-
 
 def source_gguf_type(folder: str | Path) -> str | None:
     """The llama.cpp type of the GGUF a HF folder was converted from (None: not from a GGUF, or unrecorded)."""
