@@ -493,18 +493,34 @@ def gguf_types_for(model: Transformer, recipe) -> dict[str, str]:
     return types
 
 
-def _repack(name: str, module, permute_heads: int | None):
-    """(bytes, type) of a group-32 int4 / int5 / int8 layer as Q4_0 (sym), Q4_1 (asym), Q5_0 (sym) or
-    Q8_0 (sym)."""
-    import gguf
+def quantized_gguf_types(model: Transformer) -> dict[str, str]:
+    """Layer -> GGUF type of every layer an already quantized `model` holds (a checkpoint from
+    `edgefinfer quantize`); a one-line UserError for the first that has no exact type."""
+    from edgefinfer.compile.quant.modules import QUANT_MODULES
 
-    from edgefinfer.compile.quant.layouts import gguf_type_of, to_gguf_q4_0, to_gguf_q4_1, to_gguf_q5_0, to_gguf_q8_0
+    return {name: _gguf_type(f"{name}.weight", module) for name, module in model.named_modules()
+            if isinstance(module, QUANT_MODULES)}
+
+
+def _gguf_type(name: str, module) -> str:
+    from edgefinfer.compile.quant.layouts import gguf_type_of
 
     if getattr(module, "act_quant", False):
         raise no_gguf_type(name, f"{module.fmt.label()} with int8 dynamic activations")
     qtype = gguf_type_of(module.fmt, getattr(module, "group_size", None))
     if qtype is None:
         raise no_gguf_type(name, module.fmt.label())
+    return qtype
+
+
+def _repack(name: str, module, permute_heads: int | None):
+    """(bytes, type) of a group-32 int4 / int5 / int8 layer as Q4_0 (sym), Q4_1 (asym), Q5_0 (sym) or
+    Q8_0 (sym)."""
+    import gguf
+
+    from edgefinfer.compile.quant.layouts import to_gguf_q4_0, to_gguf_q4_1, to_gguf_q5_0, to_gguf_q8_0
+
+    qtype = _gguf_type(name, module)
     data = {"Q4_0": to_gguf_q4_0, "Q4_1": to_gguf_q4_1, "Q5_0": to_gguf_q5_0, "Q8_0": to_gguf_q8_0}[qtype](module)  # [N, bytes per row]
     if permute_heads is not None:  # rows are independent: permuting them commutes with quantization
         data = permute_qk(data, permute_heads)

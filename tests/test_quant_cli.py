@@ -139,3 +139,34 @@ def test_a_source_ggufs_higher_bit_matrices_stay_at_8_bits_unless_told(run, caps
     assert ("1 matrices stay at 8 bits" in out) != requantize
     model, recipe = load_quantized(tmp_path / "q")  # the checkpoint remembers the override
     assert model.get_submodule("model.layers.1.mlp.down_proj").fmt.bits == (4 if requantize else 8)
+
+
+@pytest.mark.parametrize("target", [None, "gpu-server"])
+def test_a_checkpoint_for_a_gguf_keeps_the_sources_matrices_in_gguf_types(run, capsys, tiny_dir, tmp_path, target):
+    """`--target gpu-server` keeps a source GGUF's Q5_0 matrix as int5 and its Q6_K one as int8 in groups of
+    32 (Q5_0, Q8_0), so the checkpoint builds into a GGUF; without it they are per-channel int8, and the
+    build refuses before the export, saying how to re-quantize."""
+    from edgefinfer.app.build import BuildOptions, _check_checkpoint_for_gguf, build
+    from edgefinfer.bundle.recipe import Recipe
+    from edgefinfer.bundle.targets import get_target
+
+    types = {"model.layers.1.mlp.down_proj": "Q6_K", "model.layers.0.self_attn.q_proj": "Q5_0"}
+    (tiny_dir / "source.json").write_text(json.dumps({"gguf_type": "q4_k_m", "tensor_types": types}))
+    code, out = run(capsys, str(tiny_dir), "-r", "int4-g32", "-o", str(tmp_path / "q"), "--eval-tokens", "0",
+                    *(["--target", target] if target else []))
+    assert code == 0, out
+    bits = json.loads((tmp_path / "q" / REPORT_FILE).read_text())["per_layer_bits"]
+    assert (bits["model.layers.0.self_attn.q_proj"], bits["model.layers.1.mlp.down_proj"]) == (
+        ("int5-g32-sym", "int8-g32-sym") if target else ("int8-pc-sym", "int8-pc-sym"))
+    model, recipe = load_quantized(tmp_path / "q")
+    if target:
+        _check_checkpoint_for_gguf(model, Recipe.of(recipe), get_target("gpu-server"))
+    else:  # what `edgefinfer build -t gpu-server` of this checkpoint says at its step 3
+        with pytest.raises(UserError, match=r"q_proj.weight is int8-pc-sym.*quantize \.\.\. --target gpu-server") as e:
+            build(BuildOptions(target="gpu-server", model=tmp_path / "q", out=tmp_path / "b", eval_tokens=0))
+        assert "\n" not in str(e.value) and not (tmp_path / "b").exists()
+
+
+def test_an_unknown_target_fails_before_any_work(run, capsys, tiny_dir, tmp_path):
+    code, out = run(capsys, str(tiny_dir), "-r", "int4-g32", "-o", str(tmp_path / "q"), "--target", "toaster")
+    assert code == 2 and "toaster" in out and not (tmp_path / "q").exists()

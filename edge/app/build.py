@@ -201,6 +201,8 @@ def _choose_recipe(source: _Source, target: Target, given: Recipe | None, opts: 
                             "--recipe/--quality-budget or build from the float checkpoint")
         recipe = source.prequantized
         done = log.step(3, N_STEPS, f"use the checkpoint's quantization ({recipe.name})")
+        if target.format == "gguf":
+            _check_checkpoint_for_gguf(model, recipe, target)
         quantized = model
     tried: list[Candidate] = []
     if opts.quality_budget is not None:
@@ -528,6 +530,22 @@ def evaluate_artefact(target: Target, path: Path, test_ids: list[int], float_ppl
     return {"ppl": ppl, "ppl_delta_pct": 100 * (ppl / float_ppl - 1) if float_ppl else None,
             "prefill_tok_s": stats.prefill_tok_s, "decode_tok_s": stats.decode_tok_s,
             **({"measured_on": "onnxruntime CPU EP, QDQ graphs"} if target.format == "qnn-context" else {})}
+
+
+def _check_checkpoint_for_gguf(model, recipe: Recipe, target: Target) -> None:
+    """A one-line UserError, before the export, if a quantized checkpoint holds a layer with no GGUF type;
+    for the matrices `edgefinfer quantize` kept at a source GGUF's precision (its recipe's overrides),
+    how to make them fit."""
+    from edgefinfer.compile.gguf_export import quantized_gguf_types
+
+    try:
+        quantized_gguf_types(model)
+    except UserError as e:
+        overridden = {name for name, _ in recipe.quant.overrides} if recipe.quant is not None else set()
+        if not any(str(e).startswith(f"{name}.weight ") for name in overridden):
+            raise
+        raise UserError(f"{e}; this checkpoint keeps its source GGUF's higher-bit matrices per channel: "
+                        f"re-quantize with `edgefinfer quantize ... --target {target.name}`") from None
 
 
 def check_recipe(model, target: Target, recipe: Recipe, overrides: dict[str, Any] | None = None) -> None:

@@ -62,12 +62,16 @@ def parse_size(text: str) -> int:
 @click.option("--requantize-source", is_flag=True,
               help="For a model converted from a GGUF: quantize every matrix to the recipe, also those the GGUF "
               "stored with more bits (default: those stay at 8 bits, as `edgefinfer build` keeps them).")
+@click.option("--target", default=None,
+              help="The build target the checkpoint is for (e.g. gpu-server): a source GGUF's higher-bit matrices "
+              "are kept in formats its artefact holds (a GGUF: Q5_0 / Q8_0; default: per-channel int8, which the "
+              ".pte and .onnx exports take).")
 @click.option("--threads", type=int, default=None, help="torch intra-op threads.")
 def quantize(model: str, recipe_name: str, output: Path, calib_blocks: int, calib_len: int, calib_split: str,
              calib_text: Path | None,
              eval_tokens: int, window: int, stride: int, mixed_budget: str | None, mixed_max_ppl: float | None,
              mixed_high: str, mixed_unit: str, sensitivity_tokens: int, seed: int, requantize_source: bool,
-             threads: int | None) -> None:
+             target: str | None, threads: int | None) -> None:
     """Quantize MODEL with a recipe; write a quantized checkpoint and a JSON report to OUTPUT."""
     import torch
 
@@ -84,6 +88,11 @@ def quantize(model: str, recipe_name: str, output: Path, calib_blocks: int, cali
     t0 = time.perf_counter()
     say = lambda msg: click.echo(msg, err=True)  # noqa: E731
     recipe = parse_recipe(recipe_name)
+    artefact_format = None
+    if target is not None:
+        from edgefinfer.bundle.targets import get_target
+
+        artefact_format = get_target(target).format  # an unknown name fails here, before any work
     folder = resolve_model(model)
     if (folder / "config.json").is_file() and (done := read_quantization_config(folder)) is not None:
         raise UserError(f"{folder} is already quantized (recipe {done['recipe']['name']}); quantize its float model")
@@ -109,9 +118,11 @@ def quantize(model: str, recipe_name: str, output: Path, calib_blocks: int, cali
         recipe, extra["mixed_precision"] = _mixed(float_model, recipe, calib, mixed_budget, mixed_max_ppl, mixed_high,
                                                   mixed_unit, sensitivity_tokens, calib_len, say)
         plan_formats(qmodel, recipe)
-    elif not requantize_source and (kept := _source_precision(folder, recipe_name)):
+    elif not requantize_source and (kept := _source_precision(folder, recipe_name, artefact_format)):
+        per_channel = any(f.group_size is None for f in kept.values())
         say(f"{len(kept)} matrices stay at 8 bits: the GGUF the weights came from stored them with more bits than "
-            "the recipe's (--requantize-source to quantize them too)")
+            "the recipe's (--requantize-source to quantize them too)" if per_channel else
+            f"{len(kept)} matrices keep their source GGUF's types ({', '.join(sorted({f.label() for f in kept.values()}))})")
         recipe = recipe.with_overrides(kept)
         extra["source_precision"] = sorted(kept)
         plan_formats(qmodel, recipe)
@@ -133,11 +144,12 @@ def quantize(model: str, recipe_name: str, output: Path, calib_blocks: int, cali
     click.echo(f"wrote {output} ({REPORT_FILE} inside)")
 
 
-def _source_precision(folder: Path, recipe_name: str) -> dict:
-    """`edgefinfer build`'s rule: the matrices a source GGUF stored above the recipe's bits, at 8 bits."""
+def _source_precision(folder: Path, recipe_name: str, artefact_format: str | None) -> dict:
+    """`edgefinfer build`'s rule: the matrices a source GGUF stored above the recipe's bits, in formats the
+    artefact holds (per-channel int8 unless it is a GGUF)."""
     from edgefinfer.bundle.recipe import Recipe, source_precision
 
-    return source_precision(folder, Recipe.parse(recipe_name))
+    return source_precision(folder, Recipe.parse(recipe_name), artefact_format)
 
 
 def _is_recipe(text: str) -> bool:
