@@ -498,11 +498,12 @@ def quantized_gguf_types(model: Transformer) -> dict[str, str]:
     `edgefinfer quantize`); a one-line UserError for the first that has no exact type."""
     from edgefinfer.compile.quant.modules import QUANT_MODULES
 
-    return {name: _gguf_type(f"{name}.weight", module) for name, module in model.named_modules()
+    return {name: layer_gguf_type(f"{name}.weight", module) for name, module in model.named_modules()
             if isinstance(module, QUANT_MODULES)}
 
 
-def _gguf_type(name: str, module) -> str:
+def layer_gguf_type(name: str, module) -> str:
+    """The GGUF type holding quantized layer `module` bit for bit; a one-line UserError naming `name` if none."""
     from edgefinfer.compile.quant.layouts import gguf_type_of
 
     if getattr(module, "act_quant", False):
@@ -520,7 +521,7 @@ def _repack(name: str, module, permute_heads: int | None):
 
     from edgefinfer.compile.quant.layouts import to_gguf_q4_0, to_gguf_q4_1, to_gguf_q5_0, to_gguf_q8_0
 
-    qtype = _gguf_type(name, module)
+    qtype = layer_gguf_type(name, module)
     data = {"Q4_0": to_gguf_q4_0, "Q4_1": to_gguf_q4_1, "Q5_0": to_gguf_q5_0, "Q8_0": to_gguf_q8_0}[qtype](module)  # [N, bytes per row]
     if permute_heads is not None:  # rows are independent: permuting them commutes with quantization
         data = permute_qk(data, permute_heads)

@@ -533,19 +533,20 @@ def evaluate_artefact(target: Target, path: Path, test_ids: list[int], float_ppl
 
 
 def _check_checkpoint_for_gguf(model, recipe: Recipe, target: Target) -> None:
-    """A one-line UserError, before the export, if a quantized checkpoint holds a layer with no GGUF type;
-    for the matrices `edgefinfer quantize` kept at a source GGUF's precision (its recipe's overrides),
-    how to make them fit."""
-    from edgefinfer.compile.gguf_export import quantized_gguf_types
+    """A one-line UserError, before the export, if a quantized checkpoint holds a layer with no GGUF type.
+    A per-channel int8 override is what `edgefinfer quantize` keeps of a source GGUF's higher-bit matrices
+    when not told the target: for those, the error says how to make them fit."""
+    from edgefinfer.compile.gguf_export import layer_gguf_type, quantized_gguf_types
 
-    try:
-        quantized_gguf_types(model)
-    except UserError as e:
-        overridden = {name for name, _ in recipe.quant.overrides} if recipe.quant is not None else set()
-        if not any(str(e).startswith(f"{name}.weight ") for name in overridden):
-            raise
-        raise UserError(f"{e}; this checkpoint keeps its source GGUF's higher-bit matrices per channel: "
-                        f"re-quantize with `edgefinfer quantize ... --target {target.name}`") from None
+    modules = dict(model.named_modules())
+    for name, fmt in recipe.quant.overrides if recipe.quant is not None else ():
+        if name in modules and fmt is not None and fmt.bits == 8 and fmt.group_size is None:
+            try:
+                layer_gguf_type(f"{name}.weight", modules[name])
+            except UserError as e:
+                raise UserError(f"{e}; this checkpoint keeps its source GGUF's higher-bit matrices per channel: "
+                                f"re-quantize with `edgefinfer quantize ... --target {target.name}`") from None
+    quantized_gguf_types(model)
 
 
 def check_recipe(model, target: Target, recipe: Recipe, overrides: dict[str, Any] | None = None) -> None:
