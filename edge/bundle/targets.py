@@ -99,8 +99,8 @@ TARGETS: dict[str, Target] = {t.name: t for t in [
            "coreml", (EXECUTORCH, COREMLTOOLS), runs_here=False),
     Target("coreml", "Macs with Core ML: ExecuTorch .pte delegated to Core ML, fp16", "pte", "executorch", "fp16",
            "coreml", (EXECUTORCH, COREMLTOOLS), runs_here=False),
-    Target("linux-arm64", "ARM64 Linux boards (Raspberry Pi, Jetson CPU): ExecuTorch .pte via XNNPACK, "
-           "8da4w-g32-fzp-outliers16", "pte", "executorch", ANDROID_RECIPE, "xnnpack", (EXECUTORCH, TORCHAO)),
+    Target("linux-arm64", f"ARM64 Linux boards (Raspberry Pi, Jetson CPU): ExecuTorch .pte via XNNPACK, "
+           f"{ANDROID_RECIPE}", "pte", "executorch", ANDROID_RECIPE, "xnnpack", (EXECUTORCH, TORCHAO)),
     Target("linux-x86_64", "x86-64 Linux: ONNX Runtime CPU, int4 MatMulNBits with float zero points as group "
            "offsets (int8: --recipe int8)", "onnx", "onnxruntime", "int4-g32-fzp", None, (ONNX, ONNXRUNTIME)),
     Target("qnn", "Qualcomm Snapdragon NPUs (HTP): ONNX Runtime QNN context binary, QDQ A16W8, static shapes",
