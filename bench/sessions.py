@@ -125,24 +125,24 @@ def run_backend(backend: str, path: Path, threads: int, quick: bool) -> dict:
     replies, ttfts, state9 = [], [], None
     for i, message in enumerate(turns[:10]):
         if i == 9:
-            state9 = (list(session.messages), list(session.cached))
+            state9 = snapshot(session)
         ids, ttft = chat(message)
         replies.append(ids)
         ttfts.append(ttft)
-    prompt10, prefilled10 = session.last.prompt_tokens, session.last.prefilled_tokens
-    state10 = (list(session.messages), list(session.cached))
+    prompt10, prefilled10, settle10 = session.last.prompt_tokens, session.last.prefilled_tokens, session.last.settle_s
+    state10 = snapshot(session)
     turn10 = [ttfts[-1]]
     for _ in range(2):  # the same turn 10 from the cache as turn 9 left it (static caches: positional rollback)
-        session.messages, session.cached = list(state9[0]), list(state9[1])
+        restore(session, state9)
         turn10.append(chat(turns[9])[1])
 
     # Save / load: turn 11 from the live session and from its file.
     with tempfile.TemporaryDirectory() as tmp:
         file = Path(tmp) / "chat.efs"
-        session.messages, session.cached = list(state10[0]), list(state10[1])
+        restore(session, state10)
         live11 = []
         for _ in range(3):
-            session.messages, session.cached = list(state10[0]), list(state10[1])
+            restore(session, state10)
             if not live11:
                 session.save(file)
             live_ids, t = chat(turns[10])
@@ -175,7 +175,8 @@ def run_backend(backend: str, path: Path, threads: int, quick: bool) -> dict:
             "turns_compared": len(same), "same_turns": sum(same), "parted_at": parted, "turn10_prompt_tokens": prompt10, "turn10_prefilled_tokens": prefilled10,
             "reply_tokens": n_reply, "live_turn11_ttft_s": round(statistics.median(live11), 4),
             "restored_turn11_ttft_s": round(statistics.median(restored11), 4), "restored_same_text": restored_same,
-            "session_file_bytes": file_bytes, "session_state": state}
+            "session_file_bytes": file_bytes, "session_state": state,
+            "turn10_settle_s": round(settle10, 4)}
 
 
 # ---- start-up: process start to first token, peak RSS, measured from outside ---------------------------
@@ -275,6 +276,15 @@ _, status, usage = os.wait4(pid, 0)
 sys.stderr.write(f"\\nPEAK_RSS_KB={usage.ru_maxrss}\\n")
 sys.exit(os.waitstatus_to_exitcode(status))
 """
+
+
+def snapshot(session) -> tuple:
+    """What a turn reads of a session: the history, the cached ids and how many of them a prefill computed."""
+    return list(session.messages), list(session.cached), session.prefilled
+
+
+def restore(session, state: tuple) -> None:
+    session.messages, session.cached, session.prefilled = list(state[0]), list(state[1]), state[2]
 
 
 def time_process(cmd: list[str], env: dict[str, str]) -> tuple[float, float, str]:

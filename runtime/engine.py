@@ -326,11 +326,12 @@ class Engine:
             self._lock.release()
             result.stats.peak_rss_mb = peak_rss_mb()
 
-    def session(self) -> "Session":
-        """A conversation that keeps its KV cache between turns (see `edgefinfer.runtime.session`)."""
+    def session(self, exact: bool = True) -> "Session":
+        """A conversation that keeps its KV cache between turns (see `edgefinfer.runtime.session`);
+        `exact=False` also keeps a reply's decoded positions where they differ from a prefill's."""
         from edgefinfer.runtime.session import Session
 
-        return Session(self)
+        return Session(self, exact)
 
     def load_session(self, path: str | Path) -> "Session":
         """A session saved by `Session.save`; a file for another artefact, backend, cache layout or

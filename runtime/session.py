@@ -7,10 +7,21 @@
 
 A turn renders the *whole* conversation to token ids, exactly as a stateless run of that history
 would, and keeps the longest common prefix of those ids with the ids the cache holds (`keep_length`):
-the cache is rolled back to it and only the rest is prefilled. Greedy replies are therefore those of
-a stateless run of the same history, and editing or regenerating the last turn re-prefills only from
-the first token that changed. `Session.stream(text)` does the same over plain text (the transcript so
-far + `text`).
+the cache is rolled back to it and only the rest is prefilled, so editing or regenerating the last
+turn re-prefills only from the first token that changed. `Session.stream(text)` does the same over
+plain text (the transcript so far + `text`).
+
+Only what a prefill computed is kept. llama.cpp and ONNX Runtime compute a prompt's rows the same
+however it is cut into chunks, but a one-token decode step rounds differently (its kernels take
+another path for one row: logits off by up to ~1 on SmolLM2's Q4_1 GGUF and int4 ONNX, enough to flip
+a greedy choice within a few tokens). On such a backend (`prefill_rows_invariant`) the last reply,
+computed step by step, is prefilled again as soon as it ends (before the user's next message, so the
+next turn's first token does not wait for it: `TurnStats.settle_s`), and every kept position holds
+what a stateless prefill of the history holds, bit for bit: greedy replies are a stateless run's. A
+reply stopped by its caller is not settled; the next turn prefills it instead. `Engine.session(
+exact=False)` keeps the decoded reply as it is. ExecuTorch's XNNPACK rows change with the chunk as well (its kernels tile
+rows), and eager torch's by float noise (~4e-5 on SmolLM2): there no reuse can be exact, so the
+decoded reply is kept.
 
 What each cache layout allows (the backends' own rollbacks are reused, see `backends.base`):
 - static caches (torch, ExecuTorch, ONNX Runtime, llama.cpp, the paged torch cache): any rollback is
@@ -39,6 +50,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
@@ -48,6 +60,7 @@ import numpy as np
 from edgefinfer.files.atomic import atomic_file
 from edgefinfer.errors import UserError
 from edgefinfer.decoding.generation import Generation, encode_prompt
+from edgefinfer.runtime.backends.base import last_logits
 from edgefinfer.runtime.decode import check_fits
 from edgefinfer.decoding.sampling import SamplingParams
 from edgefinfer.tokenization.tokenizer import Tokenizer
@@ -73,6 +86,7 @@ class TurnStats:
     generated_tokens: int = 0
     ttft_s: float = 0.0
     decode_tok_s: float = 0.0
+    settle_s: float = 0.0  # after the reply: prefilling its decoded tokens again (module docstring)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -83,11 +97,14 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
-def keep_length(backend: Backend, cached: Sequence[int], ids: Sequence[int]) -> int:
-    """How many leading `ids` may stay in a cache that holds `cached` (see the module docstring)."""
+def keep_length(backend: Backend, cached: Sequence[int], ids: Sequence[int], prefilled: int | None = None) -> int:
+    """How many leading `ids` may stay in a cache that holds `cached`, of which the first `prefilled`
+    were computed by prefills (None: all of them; see the module docstring)."""
     keep = min(common_prefix(cached, ids), len(ids) - 1)  # the last id is always fed: its logits start the reply
-    if backend.window is not None and keep < len(cached):
-        return 0  # a ring cannot roll back in general: re-prefill from position 0
+    if backend.window is not None:
+        return 0 if keep < len(cached) else keep  # a ring cannot roll back in general: re-prefill from 0
+    if prefilled is not None and getattr(backend, "prefill_rows_invariant", False):
+        keep = min(keep, prefilled)  # decoded rows differ from a prefill's: compute them again
     return keep
 
 
@@ -99,11 +116,14 @@ def encode_messages(tokenizer: Tokenizer, messages: list[dict[str, str]]) -> lis
 class Session:
     """One conversation over an Engine's backend. Not thread-safe (nor is the Engine's cache)."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, exact: bool = True):
+        """exact: keep only prefilled positions where decode steps round differently (module docstring)."""
         self.engine = engine
+        self.exact = exact
         self.messages: list[dict[str, str]] = []  # chat(): the history, editable between turns
         self.transcript = ""  # stream(): the text so far
         self.cached: list[int] = []  # ids the backend holds at positions 0.. (while this session owns it)
+        self.prefilled = 0  # cached[:prefilled] were computed by prefills, the rest by decode steps
         self.last = TurnStats()
 
     @property
@@ -115,7 +135,7 @@ class Session:
 
     def reset(self) -> None:
         """Forget the conversation (the cache is overwritten by the next turn)."""
-        self.messages, self.transcript, self.cached, self.last = [], "", [], TurnStats()
+        self.messages, self.transcript, self.cached, self.prefilled, self.last = [], "", [], 0, TurnStats()
 
     # ---- turns ----
     def chat(self, message: str, max_tokens: int = 128, **kw: Any) -> Iterator[str]:
@@ -155,7 +175,7 @@ class Session:
               result: Generation | None = None, response_format: ResponseFormat = None) -> Iterator[str]:
         backend = self.engine.backend
         check_fits(backend, len(ids), max_tokens)  # before anything changes: a refused turn loses nothing
-        keep = keep_length(backend, self._valid_cache(), ids)
+        keep = keep_length(backend, self._valid_cache(), ids, self.prefilled if self.exact else None)
         result = result if result is not None else Generation("", [], "length")
         produced: list[int] = []
 
@@ -165,6 +185,7 @@ class Session:
                 on_token(tok)
 
         self.cached = ids[:keep]  # what survives the rollback, whatever happens next
+        self.prefilled = min(self.prefilled, keep)
         clean = False
         try:
             yield from self.engine.stream_ids(ids, max_tokens, params, stop, seen, cancel, result, response_format,
@@ -178,10 +199,31 @@ class Session:
                 commit(result.text)
                 interrupted_ring = not clean and backend.window is not None
                 self.cached = [] if interrupted_ring else ids + produced[:-1]
+                self.prefilled = 0 if interrupted_ring else len(ids)
             elif backend.window is not None:
                 self.cached = []  # a failed prefill may have moved the ring
             s = result.stats
             self.last = TurnStats(len(ids), keep, len(ids) - keep, s.generated_tokens, s.prefill_s, s.decode_tok_s)
+        self.last.settle_s = self._settle()  # only after a reply that ran to its end
+
+    def _settle(self) -> float:
+        """Prefill the decoded tail of the cache again where decode steps round differently from a
+        prefill (module docstring); the seconds it took, 0.0 when nothing was to do."""
+        engine, backend = self.engine, self.engine.backend
+        tail = self.cached[self.prefilled:]
+        if not (self.exact and tail and backend.window is None and getattr(backend, "prefill_rows_invariant", False)):
+            return 0.0
+        if not engine._lock.acquire(blocking=False):
+            return 0.0  # another stream took the engine meanwhile: the next turn prefills the tail
+        try:
+            if engine.cache_owner is not self:
+                return 0.0
+            t0 = time.perf_counter()
+            last_logits(backend, tail, self.prefilled)
+            self.prefilled = len(self.cached)
+            return time.perf_counter() - t0
+        finally:
+            engine._lock.release()
 
     # ---- disk ----
     def save(self, path: str | Path) -> Path:
@@ -194,6 +236,7 @@ class Session:
         header: dict[str, Any] = {
             "format": "edgefinfer-session", "version": FORMAT_VERSION, **identity(self.engine),
             "state": "kv" if arrays is not None else "tokens", "tokens": list(cached),
+            "prefilled_tokens": min(self.prefilled, len(cached)),
             "messages": self.messages, "transcript": self.transcript, "arrays": [],
         }
         payload = bytearray()
@@ -300,6 +343,7 @@ class SessionFile:
     backend: str | None
     cache: str | None
     tokens: list[int]
+    prefilled: int  # tokens[:prefilled] were computed by prefills (files before the field: all of them)
     messages: list[dict[str, str]]
     transcript: str
     arrays: dict[str, np.ndarray] | None  # None: state "tokens" (the cache itself was not saved)
@@ -311,7 +355,7 @@ def read_session(path: str | Path) -> SessionFile:
     try:
         return SessionFile(
             Path(path), header.get("artefact_sha256"), header.get("backend"), header.get("cache"),
-            [int(t) for t in header["tokens"]],
+            [int(t) for t in header["tokens"]], int(header.get("prefilled_tokens", len(header["tokens"]))),
             [{"role": str(m["role"]), "content": str(m["content"])} for m in header["messages"]],
             str(header["transcript"]), _arrays(header["arrays"], payload) if header["state"] == "kv" else None)
     except (KeyError, TypeError, ValueError):
@@ -344,7 +388,7 @@ def load_session(engine: Engine, path: str | Path) -> Session:
             engine.cache_owner = None  # if the import fails half-way, no session trusts the cache
             backend.import_cache(arrays, len(tokens))
             engine.cache_owner = session
-        session.cached = tokens
+        session.cached, session.prefilled = tokens, min(saved.prefilled, len(tokens))
     return session
 
 

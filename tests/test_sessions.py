@@ -9,6 +9,7 @@ rerun does not lower them again."""
 
 import json
 
+import numpy as np
 import pytest
 
 from edgefinfer.model.checkpoint import save_model
@@ -92,6 +93,42 @@ def test_multi_turn_chat_equals_stateless_runs_and_prefills_only_the_new_tokens(
     assert session.cached_tokens == prompt_lengths[-1] + 9
     if "window" in name:  # the conversation went past the ring: it streams on
         assert prompt_lengths[-1] > WINDOW["window"] + WINDOW["lookahead"]
+
+
+@pytest.mark.parametrize("name", ["onnxruntime", "llamacpp"])
+def test_an_exact_session_settles_its_reply_into_a_fresh_prefills_cache_bit_for_bit(artefacts, name):
+    engine, reference = load(artefacts, name), load(artefacts, name)
+    for exact in (True, False):
+        session = engine.session(exact=exact)
+        turn(session, TURNS[0], 12)
+        assert (session.last.settle_s > 0) == exact and session.prefilled == (len(session.cached) if exact else
+                                                                                session.last.prompt_tokens)
+        reference.backend.reset()
+        reference.backend.forward(session.cached, 0)
+        ours, theirs = _cache(engine, len(session.cached)), _cache(reference, len(session.cached))
+        assert all(np.array_equal(ours[k], theirs[k]) for k in theirs) == exact
+
+
+def _cache(engine: Engine, length: int) -> dict:
+    return {k: v.copy() for k, v in engine.backend.export_cache(length).items()}
+
+
+@pytest.mark.parametrize("name", ["onnxruntime", "llamacpp"])
+def test_backends_that_declare_invariant_prefill_rows_compute_any_chunking_bit_for_bit(artefacts, name):
+    """`prefill_rows_invariant`: a prompt cut into chunks of any size > 1 gives the rows of one call."""
+    backend = load(artefacts, name).backend
+    assert backend.prefill_rows_invariant
+    ids = encode_messages(load(artefacts, "torch").tokenizer, [{"role": "user", "content": " ".join(TURNS * 3)}])
+    whole = backend.forward(ids, 0).copy()
+    cut = len(ids) // 3
+    backend.reset()
+    chunked = [backend.forward(ids[:cut], 0).copy(), backend.forward(ids[cut:cut + 7], cut).copy(),
+               backend.forward(ids[cut + 7:], cut + 7).copy()]
+    assert (np.concatenate(chunked) == whole).all()
+    backend.reset()
+    steps = [backend.forward(ids[:cut], 0).copy()] + [backend.forward([t], cut + i).copy()
+                                                       for i, t in enumerate(ids[cut:])]
+    assert not (np.concatenate(steps) == whole).all()  # one-token steps round differently: why sessions re-prefill
 
 
 @pytest.mark.parametrize("name", ["torch", "executorch", "onnxruntime", "llamacpp"])
@@ -209,11 +246,8 @@ def test_bad_session_files_are_refused_in_one_line_and_the_session_is_left_as_it
 
 def test_a_smollm2_conversation_reuses_its_replies_and_equals_stateless_runs(smollm2_dir):
     """The shipped SmolLM2 (torch, float32) with its own chat template: real replies re-tokenize to the
-    ids the model produced, so each turn keeps the previous reply in the cache too.
-
-    (The Q4_1 GGUF is not compared token for token: llama.cpp's quantized kernels round differently
-    for a one-token step than for a prompt batch, and a near-tie in a reply can flip. bench/sessions.py
-    reports `same_text` for it.)"""
+    ids the model produced, so each turn keeps the previous reply in the cache too (the Q4_1 GGUF: the
+    test after this one)."""
     engine, stateless_engine = (Engine.load(smollm2_dir, max_seq_len=512) for _ in range(2))
     session = engine.session()
     previous = 0
@@ -223,6 +257,28 @@ def test_a_smollm2_conversation_reuses_its_replies_and_equals_stateless_runs(smo
         if previous:
             assert session.last.reused_tokens > previous  # the prompt and (part of) the reply before it
         previous = session.last.prompt_tokens
+
+
+def test_a_smollm2_gguf_conversation_equals_stateless_runs_because_replies_are_prefilled_again():
+    """The shipped Q4_1 GGUF on llama.cpp, whose one-token steps round differently from its prompt
+    batches (logits off by up to ~1): an exact session (the default) prefills each reply again as it
+    ends, and every reply is a stateless run's; keeping the decoded replies (`exact=False`) parts
+    from the stateless runs."""
+    from edgefinfer.model import reference
+
+    path = reference.gguf_path("smollm2-135m")
+    engine, stateless_engine = (Engine.load(path, max_seq_len=1024, threads=2) for _ in range(2))
+    messages = ["What is the capital of France?", "Tell me about its museums.", "And its food?",
+                "Which one would you pick first?"]
+    for exact in (True, False):
+        session, same, previous = engine.session(exact=exact), [], 0
+        for message in messages:
+            got = turn(session, message, 40)
+            same.append(got == stateless(stateless_engine, session.messages[:-1], 40))
+            assert (session.last.settle_s > 0) == exact
+            assert session.last.reused_tokens > previous or not previous  # the last prompt and the reply after it
+            previous = session.last.prompt_tokens
+        assert all(same) if exact else not all(same), f"exact={exact}: turns equal to stateless runs: {same}"
 
 
 def test_plain_text_sessions_continue_the_transcript(artefacts):

@@ -29,6 +29,9 @@ class Backend(Protocol):
     window: int | None  # a sliding-window cache keeps only this many recent positions (None: full context)
     # Optional: a window cache that can roll back at most this many rejected tokens of one step
     # exactly declares `max_draft_tokens: int`; the Engine refuses a larger speculative K.
+    # Optional: `prefill_rows_invariant = True` declares that a prompt's rows come out bit for bit the
+    # same however the prompt is cut into `forward` calls of more than one token, while one-token calls
+    # may round differently; sessions then re-prefill decoded replies (`runtime.session`).
 
     def forward(self, tokens: Sequence[int], start_pos: int) -> np.ndarray:
         """Feed `tokens` at positions start_pos.. and return their logits, float32 [len(tokens), vocab]."""
