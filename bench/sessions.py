@@ -91,7 +91,7 @@ def reply(stream_factory) -> list[int]:
     return out
 
 
-def run_backend(backend: str, path: Path, threads: int, quick: bool) -> dict:
+def run_backend(backend: str, path: Path, threads: int, quick: bool, prefill_grid: int | None = None) -> dict:
     from edgefinfer.runtime.engine import Engine
     from edgefinfer.runtime.session import encode_messages
 
@@ -100,7 +100,7 @@ def run_backend(backend: str, path: Path, threads: int, quick: bool) -> dict:
 
         torch.set_num_threads(threads)
     engine = Engine.load(path, backend=None if backend != "torch" else "torch", threads=threads,
-                         max_seq_len=CTX if backend in ("torch", "llamacpp") else None)
+                         max_seq_len=CTX if backend in ("torch", "llamacpp") else None, prefill_grid=prefill_grid)
     n_reply = 32 if quick else 48
     turns = messages(11)
     session = engine.session()
@@ -169,7 +169,7 @@ def run_backend(backend: str, path: Path, threads: int, quick: bool) -> dict:
             parted.append([i + 1, next(j for j, (a, b) in enumerate(zip(ids + [-1], replies[i] + [-2])) if a != b)])
     stateless10 = [stateless(history[:19])[1] for _ in range(3)]
     t1, t10, s10 = statistics.median(turn1), statistics.median(turn10), statistics.median(stateless10)
-    return {"backend": backend, "artefact": str(path), "turn1_ttft_s": round(t1, 4), "turn10_ttft_s": round(t10, 4),
+    return {"backend": backend, "prefill_grid": prefill_grid, "artefact": str(path), "turn1_ttft_s": round(t1, 4), "turn10_ttft_s": round(t10, 4),
             "turn10_over_turn1_ttft": round(t10 / t1, 3), "stateless_turn10_ttft_s": round(s10, 4),
             "stateless_over_session_turn10": round(s10 / t10, 2), "same_text": all(same),
             "turns_compared": len(same), "same_turns": sum(same), "parted_at": parted, "turn10_prompt_tokens": prompt10, "turn10_prefilled_tokens": prefilled10,
@@ -368,6 +368,8 @@ def main() -> None:
     ap.add_argument("--startup", action="store_true", help="also measure the start-up rows")
     ap.add_argument("--startup-only", action="store_true", help="only the start-up rows (the session rows are kept)")
     ap.add_argument("--runs", type=int, default=3, help="start-up runs of each runner")
+    ap.add_argument("--prefill-grid", type=int, default=None,
+                    help="ExecuTorch: prompts in calls aligned to N tokens (rows then do not depend on the split)")
     args = ap.parse_args()
     from edgefinfer.files.user_cache import cache_dir
 
@@ -380,7 +382,8 @@ def main() -> None:
         path = artefact(backend, bundles, args.threads)
         print(f"[{backend}] 10-turn chat on {path}", flush=True)
         before = uptime()
-        row = run_backend(backend, path, args.threads, args.quick)
+        grid = args.prefill_grid if backend == "executorch" else None
+        row = run_backend(backend, path, args.threads, args.quick, grid)
         rows.append({**row, "threads": args.threads, "uptime_before": before, "uptime_after": uptime()})
     payload = {"machine": machine(), "versions": versions("executorch", "onnxruntime", "llama-cpp-python"),
                "threads": args.threads, "quick": args.quick, "load_avg_start": load_start,
@@ -388,7 +391,7 @@ def main() -> None:
     if set(args.only.split(",")) != set(BACKENDS):  # an --only run keeps the file's other rows (and start-up rows)
         payload = merge_rows(payload, result_file(args.quick))
     out = write_results("sessions", payload, args.quick)
-    print_table(rows, ["backend", "turn1_ttft_s", "turn10_ttft_s", "turn10_over_turn1_ttft",
+    print_table(rows, ["backend", "prefill_grid", "turn1_ttft_s", "turn10_ttft_s", "turn10_over_turn1_ttft",
                        "stateless_turn10_ttft_s", "same_text", "live_turn11_ttft_s", "restored_turn11_ttft_s",
                        "session_state"])
     if args.startup:
@@ -428,9 +431,10 @@ def merge_rows(payload: dict, file: Path) -> dict:
     if not file.is_file():
         return payload
     old = json.loads(file.read_text())
-    measured = {r["backend"] for r in payload["rows"]}
+    measured = {(r["backend"], r.get("prefill_grid")) for r in payload["rows"]}
     kept = [{"threads": old.get("threads"), "load_avg_start": old.get("load_avg_start"),
-             "load_avg_end": old.get("load_avg_end"), **r} for r in old.get("rows", []) if r["backend"] not in measured]
+             "load_avg_end": old.get("load_avg_end"), **r} for r in old.get("rows", [])
+            if (r["backend"], r.get("prefill_grid")) not in measured]
     merged = {**payload, "rows": kept + payload["rows"]}
     for key in ("startup_rows", "startup"):
         if key in old:

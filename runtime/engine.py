@@ -108,7 +108,7 @@ class SpeculativeOption:
 
 
 def open_backend(path: str | Path, kind: str | None = None, kv: KVOption = KVOption(), threads: int | None = None,
-                 max_seq_len: int | None = None) -> tuple[Backend, Tokenizer, dict]:
+                 max_seq_len: int | None = None, prefill_grid: int | None = None) -> tuple[Backend, Tokenizer, dict]:
     """The backend and tokenizer for an artefact path (see `edgefinfer.bundle.resolve`); `kind` forces a backend."""
     src = resolve(path, kind)
     if src.kind == "bundle":
@@ -129,13 +129,14 @@ def open_backend(path: str | Path, kind: str | None = None, kv: KVOption = KVOpt
                                     "slots); drop --kv")
                 backend = open_qnn(src.folder, src.entry.meta, threads=threads)
             else:
-                backend = _open(src.path, src.backend, kv, threads, max_seq_len, native_load.set)
+                backend = _open(src.path, src.backend, kv, threads, max_seq_len, native_load.set, prefill_grid)
         finally:
             native_load.set()  # a backend that failed or never called it: the parse is not left waiting
         info = {"bundle": src.manifest.target, "artefact": src.entry.path, "sha256": src.entry.sha256}
         tokenizer = tokenizer.result()
     else:
-        backend, info = _open(src.path, src.backend, kv, threads, max_seq_len), {"artefact": str(src.path)}
+        backend = _open(src.path, src.backend, kv, threads, max_seq_len, prefill_grid=prefill_grid)
+        info = {"artefact": str(src.path)}
         tokenizer = src.tokenizer()
     return backend, tokenizer, {**info, "eos_ids": src.stop_ids(tokenizer), "path": str(src.path)}
 
@@ -199,10 +200,13 @@ class _Background:
 
 
 def _open(path: Path, kind: str | None, kv: KVOption, threads: int | None, max_seq_len: int | None,
-          native_load: Callable[[], None] | None = None) -> Backend:
+          native_load: Callable[[], None] | None = None, prefill_grid: int | None = None) -> Backend:
     """The backend for `path`. `native_load` is called right before the weights load in native code with the
     GIL released (llama.cpp, ONNX Runtime), where other Python threads may run beside it."""
     window = kv.window  # None unless --kv window:N
+    if prefill_grid is not None and kind != "executorch":
+        raise UserError(f"--prefill-grid is for ExecuTorch programs, not {kind}: llama.cpp and ONNX Runtime "
+                        "compute a prompt's rows the same however it is chunked")
     if kv.paged and kind != "torch":
         raise UserError(f"--kv paged runs on the torch backend (and in `edgefinfer serve`), not on {kind}")
     if kind == "torch":
@@ -226,7 +230,7 @@ def _open(path: Path, kind: str | None, kv: KVOption, threads: int | None, max_s
     if kind == "executorch":
         from edgefinfer.runtime.backends.executorch import ExecuTorchBackend
 
-        return _check_cache(ExecuTorchBackend(path, threads=threads), kv)
+        return _check_cache(ExecuTorchBackend(path, threads=threads, prefill_grid=prefill_grid), kv)
     if kind == "onnxruntime":
         from edgefinfer.runtime.backends.ort import OrtBackend
 
@@ -264,12 +268,13 @@ class Engine:
     @classmethod
     def load(cls, path: str | Path, backend: str | None = None, kv: str | KVOption | None = None,
              speculative: str | SpeculativeOption | None = None, threads: int | None = None,
-             max_seq_len: int | None = None) -> "Engine":
+             max_seq_len: int | None = None, prefill_grid: int | None = None) -> "Engine":
+        """prefill_grid: ExecuTorch only, prompts fed in calls aligned to this grid (`ExecuTorchBackend`)."""
         kv = kv if isinstance(kv, KVOption) else KVOption.parse(kv)
         spec = (speculative if isinstance(speculative, SpeculativeOption) or speculative is None
                 else SpeculativeOption.parse(speculative))
         with _collector_paused():
-            be, tok, info = open_backend(path, backend, kv, threads, max_seq_len)
+            be, tok, info = open_backend(path, backend, kv, threads, max_seq_len, prefill_grid)
         limit = getattr(be, "max_draft_tokens", None)
         if spec is not None and limit is not None and spec.k > limit:
             raise UserError(f"this window cache can roll back at most {limit} speculative tokens per step "

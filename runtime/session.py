@@ -14,14 +14,16 @@ plain text (the transcript so far + `text`).
 Only what a prefill computed is kept. llama.cpp and ONNX Runtime compute a prompt's rows the same
 however it is cut into chunks, but a one-token decode step rounds differently (its kernels take
 another path for one row: logits off by up to ~1 on SmolLM2's Q4_1 GGUF and int4 ONNX, enough to flip
-a greedy choice within a few tokens). On such a backend (`prefill_rows_invariant`) the last reply,
-computed step by step, is prefilled again as soon as it ends (before the user's next message, so the
-next turn's first token does not wait for it: `TurnStats.settle_s`), and every kept position holds
-what a stateless prefill of the history holds, bit for bit: greedy replies are a stateless run's. A
-reply stopped by its caller is not settled; the next turn prefills it instead. `Engine.session(
-exact=False)` keeps the decoded reply as it is. ExecuTorch's XNNPACK rows change with the chunk as well (its kernels tile
-rows), and eager torch's by float noise (~4e-5 on SmolLM2): there no reuse can be exact, so the
-decoded reply is kept.
+a greedy choice within a few tokens). On such a backend (`prefill_grid`, see `backends.base`) the last
+reply, computed step by step, is prefilled again as soon as it ends (before the user's next message,
+so the next turn's first token does not wait for it: `TurnStats.settle_s`), and every kept position
+holds what a stateless prefill of the history holds, bit for bit: greedy replies are a stateless
+run's. An ExecuTorch program's rows also change with where a call starts and how long it is; loaded
+with a grid G (`--prefill-grid`) it feeds prompts in calls aligned to G, and a session keeps rows up to
+the last whole chunk of the grid only (the partial one is fed again with the next turn). Without a
+grid, and on eager torch (whose rows differ by float noise, ~4e-5 on SmolLM2), the decoded reply is
+kept as it is, as with `Engine.session(exact=False)`. A reply stopped by its caller is not settled;
+the next turn prefills it instead.
 
 What each cache layout allows (the backends' own rollbacks are reused, see `backends.base`):
 - static caches (torch, ExecuTorch, ONNX Runtime, llama.cpp, the paged torch cache): any rollback is
@@ -103,8 +105,9 @@ def keep_length(backend: Backend, cached: Sequence[int], ids: Sequence[int], pre
     keep = min(common_prefix(cached, ids), len(ids) - 1)  # the last id is always fed: its logits start the reply
     if backend.window is not None:
         return 0 if keep < len(cached) else keep  # a ring cannot roll back in general: re-prefill from 0
-    if prefilled is not None and getattr(backend, "prefill_rows_invariant", False):
-        keep = min(keep, prefilled)  # decoded rows differ from a prefill's: compute them again
+    grid = getattr(backend, "prefill_grid", None)
+    if prefilled is not None and grid:
+        keep = min(keep, prefilled) // grid * grid  # decoded rows and partial chunks: compute them again
     return keep
 
 
@@ -207,19 +210,21 @@ class Session:
         self.last.settle_s = self._settle()  # only after a reply that ran to its end
 
     def _settle(self) -> float:
-        """Prefill the decoded tail of the cache again where decode steps round differently from a
-        prefill (module docstring); the seconds it took, 0.0 when nothing was to do."""
+        """Prefill the decoded tail of the cache again, from the last whole chunk of the backend's grid,
+        where decode steps round differently from a prefill (module docstring); the seconds it took,
+        0.0 when there was nothing to do."""
         engine, backend = self.engine, self.engine.backend
-        tail = self.cached[self.prefilled:]
-        if not (self.exact and tail and backend.window is None and getattr(backend, "prefill_rows_invariant", False)):
+        grid = getattr(backend, "prefill_grid", None)
+        if not (self.exact and grid and backend.window is None):
             return 0.0
-        if not engine._lock.acquire(blocking=False):
-            return 0.0  # another stream took the engine meanwhile: the next turn prefills the tail
+        start = self.prefilled // grid * grid
+        if start == len(self.cached) or not engine._lock.acquire(blocking=False):
+            return 0.0  # nothing decoded; or another stream took the engine: the next turn prefills the tail
         try:
             if engine.cache_owner is not self:
                 return 0.0
             t0 = time.perf_counter()
-            last_logits(backend, tail, self.prefilled)
+            last_logits(backend, self.cached[start:], start)
             self.prefilled = len(self.cached)
             return time.perf_counter() - t0
         finally:

@@ -109,15 +109,50 @@ def test_an_exact_session_settles_its_reply_into_a_fresh_prefills_cache_bit_for_
         assert all(np.array_equal(ours[k], theirs[k]) for k in theirs) == exact
 
 
+def test_an_executorch_program_on_a_prefill_grid_gives_a_prompt_the_same_rows_however_it_is_split(artefacts):
+    """Without a grid a .pte's rows change with where a call starts (the tiny float program: by float
+    noise; the int8-activation android default: by up to 2.4 logits); on a grid of G they do not, and an
+    exact session settles its reply into the cache a fresh prefill of the same ids makes."""
+    grid = 8
+    ids = encode_messages(load(artefacts, "torch").tokenizer, [{"role": "user", "content": " ".join(TURNS * 3)}])
+    cut = 3 * grid  # on the grid
+
+    def rows(backend, splits):
+        backend.reset()
+        return np.concatenate([backend.forward(ids[a:b], a).copy() for a, b in splits])
+
+    plain = load(artefacts, "executorch").backend
+    splits = [(0, cut), (cut, len(ids))]
+    assert not (rows(plain, [(0, len(ids))]) == rows(plain, splits)).all()
+    engine = Engine.load(artefacts / "pte/model.pte", max_seq_len=CTX, prefill_grid=grid)
+    assert (rows(engine.backend, [(0, len(ids))]) == rows(engine.backend, splits)).all()
+
+    reference = Engine.load(artefacts / "pte/model.pte", max_seq_len=CTX, prefill_grid=grid)
+    session = engine.session()
+    turn(session, TURNS[0], 13)
+    turn(session, TURNS[1], 11)
+    assert session.last.settle_s > 0 and session.last.reused_tokens % grid == 0
+    reference.backend.forward(session.cached, 0)
+    ours, theirs = _cache(engine, len(session.cached)), _cache(reference, len(session.cached))
+    assert all(np.array_equal(ours[k], theirs[k]) for k in theirs)
+
+
+def test_a_prefill_grid_is_refused_where_it_has_no_meaning(artefacts):
+    with pytest.raises(UserError, match="prefill-grid is for ExecuTorch programs, not llamacpp"):
+        Engine.load(artefacts / "gguf/model.gguf", max_seq_len=CTX, prefill_grid=8)
+    with pytest.raises(UserError, match="must be between 1 and"):
+        Engine.load(artefacts / "pte/model.pte", max_seq_len=CTX, prefill_grid=100_000)
+
+
 def _cache(engine: Engine, length: int) -> dict:
     return {k: v.copy() for k, v in engine.backend.export_cache(length).items()}
 
 
 @pytest.mark.parametrize("name", ["onnxruntime", "llamacpp"])
 def test_backends_that_declare_invariant_prefill_rows_compute_any_chunking_bit_for_bit(artefacts, name):
-    """`prefill_rows_invariant`: a prompt cut into chunks of any size > 1 gives the rows of one call."""
+    """`prefill_grid = 1`: a prompt cut into chunks of any size > 1 gives the rows of one call."""
     backend = load(artefacts, name).backend
-    assert backend.prefill_rows_invariant
+    assert backend.prefill_grid == 1
     ids = encode_messages(load(artefacts, "torch").tokenizer, [{"role": "user", "content": " ".join(TURNS * 3)}])
     whole = backend.forward(ids, 0).copy()
     cut = len(ids) // 3

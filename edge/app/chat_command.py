@@ -156,12 +156,15 @@ def run_interactive(chat: Chat) -> None:
 @click.option("--speculative", default=None, help="draft:PATH[,K] | lookup[:NGRAM][,K].")
 @click.option("--max-seq-len", type=click.IntRange(1), default=None, help="Context (tokens) of the cache.")
 @click.option("--threads", type=int, default=None, help="Intra-op threads.")
+@click.option("--prefill-grid", type=click.IntRange(1), default=None, metavar="N",
+              help="ExecuTorch: feed prompts in calls aligned to N tokens, so a prompt's logits do not depend on how "
+                   "it was split (sessions then equal stateless runs; prefill is slower).")
 @click.option("--messages", "messages", default=None, metavar="FILE",
               help="Non-interactive: messages and /commands one per line from FILE (- for stdin).")
 @click.option("--session", "session_file", default=None, metavar="FILE", help="Start from a saved session.")
 def chat(bundle: str, backend: str | None, max_tokens: int, temperature: float, top_k: int | None,
          top_p: float | None, seed: int | None, kv: str | None, speculative: str | None, max_seq_len: int | None,
-         threads: int | None, messages: str | None, session_file: str | None) -> None:
+         threads: int | None, prefill_grid: int | None, messages: str | None, session_file: str | None) -> None:
     """Chat with BUNDLE (or a .pte / .onnx / .gguf / HF folder): streaming replies in the model's chat
     template; each turn prefills only the new tokens."""
     from edgefinfer.libraries.quiet import quiet
@@ -171,7 +174,7 @@ def chat(bundle: str, backend: str | None, max_tokens: int, temperature: float, 
     lines = read_lines(messages) if messages is not None else None  # a missing file fails before loading
     with quiet(load_ort=False):
         engine = Engine.load(bundle, backend=backend, kv=kv, speculative=speculative, threads=threads,
-                             max_seq_len=max_seq_len)
+                             max_seq_len=max_seq_len, prefill_grid=prefill_grid)
     if engine.tokenizer.chat_template is None:
         raise UserError(f"{bundle} has no chat template in its tokenizer; use `edgefinfer run -p` for plain text")
     session = Chat(engine, max_tokens, SamplingParams(temperature, top_k, top_p, 1.0, seed))

@@ -186,15 +186,19 @@ def generate(model: str, prompt: str, kv: str | None, speculative: str | None, t
 @click.option("-p", "--prompt", default=None, help="Prompt text; without it, an interactive chat starts.")
 @click.option("--backend", type=click.Choice(["executorch", "onnxruntime", "llamacpp", "torch"]), default=None,
               help="Force a backend (default: the bundle's).")
+@click.option("--prefill-grid", type=click.IntRange(1), default=None, metavar="N",
+              help="ExecuTorch: feed prompts in calls aligned to N tokens, so a prompt's logits do not depend on how "
+                   "it was split (sessions then equal stateless runs; prefill is slower).")
 @_sampling_options
-def run(bundle: str, prompt: str | None, backend: str | None, kv: str | None, speculative: str | None,
-        threads: int | None, **opts) -> None:
+def run(bundle: str, prompt: str | None, backend: str | None, prefill_grid: int | None, kv: str | None,
+        speculative: str | None, threads: int | None, **opts) -> None:
     """Run a bundle (or a .pte / .onnx / .gguf / HF folder) with the on-device runtime."""
     from edgefinfer.libraries.quiet import quiet
     from edgefinfer.runtime.engine import Engine
 
     with quiet(load_ort=False):  # the runtimes' start-up chatter (QNN EP, Qualcomm's libraries); not while streaming
-        engine = Engine.load(bundle, backend=backend, kv=kv, speculative=speculative, threads=threads)
+        engine = Engine.load(bundle, backend=backend, kv=kv, speculative=speculative, threads=threads,
+                             prefill_grid=prefill_grid)
     if prompt is not None:
         _generate_with_engine(engine, prompt, **opts)
         return

@@ -29,9 +29,10 @@ class Backend(Protocol):
     window: int | None  # a sliding-window cache keeps only this many recent positions (None: full context)
     # Optional: a window cache that can roll back at most this many rejected tokens of one step
     # exactly declares `max_draft_tokens: int`; the Engine refuses a larger speculative K.
-    # Optional: `prefill_rows_invariant = True` declares that a prompt's rows come out bit for bit the
-    # same however the prompt is cut into `forward` calls of more than one token, while one-token calls
-    # may round differently; sessions then re-prefill decoded replies (`runtime.session`).
+    # Optional: `prefill_grid: int | None`. G declares that a prompt's rows inside whole aligned chunks
+    # [k*G, (k+1)*G) come out bit for bit the same however the prompt was cut into `forward` calls that
+    # start on the grid (G = 1: any cut), while one-token calls may round differently; sessions then
+    # prefill decoded replies again (`runtime.session`). None: no such promise.
 
     def forward(self, tokens: Sequence[int], start_pos: int) -> np.ndarray:
         """Feed `tokens` at positions start_pos.. and return their logits, float32 [len(tokens), vocab]."""

@@ -107,7 +107,11 @@ def set_threads(threads: int) -> None:
 class ExecuTorchBackend:
     name = "executorch"
 
-    def __init__(self, pte_path: str | Path, threads: int | None = None):
+    def __init__(self, pte_path: str | Path, threads: int | None = None, prefill_grid: int | None = None):
+        """prefill_grid: feed prompts in calls that start and end on multiples of this many positions
+        (`prefill_grid` in `backends.base`): XNNPACK's and custom_sdpa's rows change with where a call
+        starts and how long it is, so only a fixed grid makes a prompt's logits a function of its ids
+        (sessions then equal stateless runs). Costs prefill speed: more, shorter calls."""
         path = Path(pte_path)
         if not path.is_file():
             raise UserError(f"ExecuTorch program {path} does not exist (export one with `edgefinfer build`)")
@@ -139,6 +143,10 @@ class ExecuTorchBackend:
         self.artefact = spec = read_spec("pte", self.methods)
         self.vocab_size = spec.vocab_size
         self.max_chunk = spec.kv.max_chunk  # tokens per call (the graph's bound)
+        if prefill_grid is not None and not 1 <= prefill_grid <= self.max_chunk:
+            raise UserError(f"--prefill-grid must be between 1 and {self.max_chunk} (the tokens {path.name} "
+                            f"takes per call), got {prefill_grid}")
+        self.prefill_grid = prefill_grid
         self.window = spec.kv.window
         self.num_sinks = spec.kv.sinks
         self.lookahead = spec.kv.lookahead
@@ -182,7 +190,14 @@ class ExecuTorchBackend:
         if start_pos + n > self.max_seq_len:
             raise UserError(f"the sequence would reach {start_pos + n} tokens but {self.path.name} holds "
                             f"{self.max_seq_len}; export with a larger max_seq_len or a window cache")
-        return [(tokens[i:i + self.max_chunk], start_pos + i) for i in range(0, n, self.max_chunk)]
+        if self.prefill_grid is None:
+            return [(tokens[i:i + self.max_chunk], start_pos + i) for i in range(0, n, self.max_chunk)]
+        g, chunks, i = self.prefill_grid, [], 0
+        while i < n:  # up to the next multiple of the grid, then whole grid chunks
+            end = min(n, (start_pos + i) // g * g + g - start_pos)
+            chunks.append((tokens[i:end], start_pos + i))
+            i = end
+        return chunks
 
     def forward(self, tokens: Sequence[int], start_pos: int) -> np.ndarray:
         """Logits float32 [len(tokens), vocab]; prompts longer than max_chunk are fed in pieces."""

@@ -33,7 +33,7 @@ _SEQ = 0  # the llama seq id of the one sequence
 class LlamaCppBackend:
     name = "llamacpp"
     N_BATCH = 512  # tokens per llama_decode call
-    prefill_rows_invariant = True  # a one-token llama_decode rounds differently (tests/test_sessions.py)
+    prefill_grid = 1  # any chunking gives the same rows; a one-token llama_decode rounds differently (tests/test_sessions.py)
 
     def __init__(self, gguf_path: str | Path, n_ctx: int = 2048, threads: int | None = None,
                  window: int | None = None, num_sinks: int = 0, native_load: Callable[[], None] | None = None,

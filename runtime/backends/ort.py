@@ -143,7 +143,7 @@ class OrtBackend:
     """The exported GQA decoder on ONNX Runtime (CPU by default), one sequence."""
 
     name = "onnxruntime"
-    prefill_rows_invariant = True  # one-token steps round differently (measured: tests/test_sessions.py)
+    prefill_grid = 1  # any chunking gives the same rows; one-token steps round differently (tests/test_sessions.py)
 
     def __init__(self, onnx_dir_or_path: str | Path, providers: Sequence[Any] | None = None,
                  threads: int | None = None, session: Any | None = None, max_seq_len: int | None = None,
@@ -324,7 +324,6 @@ class OrtStaticBackend:
     """
 
     name = "onnxruntime"
-    prefill_rows_invariant = True  # one-token steps round differently (measured: tests/test_sessions.py)
 
     def __init__(self, onnx_dir_or_path: str | Path, providers: Sequence[Any] | None = None,
                  threads: int | None = None, session: Any | None = None, prefill: str | Path | None = None,
