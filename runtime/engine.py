@@ -129,7 +129,8 @@ def open_backend(path: str | Path, kind: str | None = None, kv: KVOption = KVOpt
                                     "slots); drop --kv")
                 backend = open_qnn(src.folder, src.entry.meta, threads=threads)
             else:
-                backend = _open(src.path, src.backend, kv, threads, max_seq_len, native_load.set, prefill_grid)
+                backend = _open(src.path, src.backend, kv, threads, max_seq_len, native_load.set,
+                                prefill_grid=prefill_grid)
         finally:
             native_load.set()  # a backend that failed or never called it: the parse is not left waiting
         info = {"bundle": src.manifest.target, "artefact": src.entry.path, "sha256": src.entry.sha256}

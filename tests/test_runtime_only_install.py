@@ -169,14 +169,14 @@ def test_a_bundle_parses_its_tokenizer_while_the_weights_load(onnx_bundle, monke
     events = []
     real_open, real_from_dir = engine._open, Tokenizer.from_dir.__func__
 
-    def open_slowly(*args):
+    def open_slowly(*args, **kw):
         native_load = args[-1]
         events.append("python before the load")
         time.sleep(0.3)  # a parse started now would be recorded before the load
         native_load()
         time.sleep(1.0)  # the native load (GIL released): the parse runs here
         events.append("native load done")
-        return real_open(*args[:-1])
+        return real_open(*args[:-1], **kw)
 
     def from_dir(cls, path):
         events.append("parse")
