@@ -28,13 +28,13 @@ import numpy as np
 from edgefinfer.errors import UserError
 from edgefinfer.decoding.generation import GenerationStats
 from edgefinfer.runtime.backends.base import Backend, last_logits
-from edgefinfer.runtime.speculative.adaptive import AdaptiveK
 from edgefinfer.decoding.sampling import SamplingParams
 from edgefinfer.decoding.structured import TokenMatcher, trim_draft
 
 if TYPE_CHECKING:  # torch is loaded only for sampling with temperature, penalties or speculation
     import torch
 
+    from edgefinfer.runtime.speculative.adaptive import AdaptiveK
     from edgefinfer.runtime.speculative.proposers import Draft, Proposer
     from edgefinfer.runtime.speculative.verify import SpecStats, VerifyResult
 

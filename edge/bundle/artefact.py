@@ -17,12 +17,12 @@ This is foundation: it imports neither an exporter (a phone has none) nor a runt
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping
+from typing import TYPE_CHECKING, Any, Literal, Mapping
 
-from edgefinfer.model.config import normalize_eos_ids
 from edgefinfer.errors import UserChoice, UserError
-from edgefinfer.bundle.quant_recipe import QuantRecipe
-from edgefinfer.bundle.recipe import quant_recipe_of
+
+if TYPE_CHECKING:  # the recipe grammar and the model config are imported where used: `run` needs neither
+    from edgefinfer.bundle.quant_recipe import QuantRecipe
 
 Carrier = Literal["onnx", "pte", "manifest"]
 
@@ -101,6 +101,8 @@ class ArtefactSpec:
     def recipe(self) -> QuantRecipe | None:
         """The recipe as a `QuantRecipe`; None for float weights and for recipes outside the
         quantizer's grammar (QDQ activation schemes, llama.cpp's own quantizer, mixed labels)."""
+        from edgefinfer.bundle.recipe import quant_recipe_of
+
         return quant_recipe_of(self.recipe_name)
 
 
@@ -192,6 +194,8 @@ def _from_pte(methods: Mapping[str, Any]) -> ArtefactSpec:
                  max_seq_len=None if window else int(methods.get("get_max_context_len", max_chunk)),
                  window=window, sinks=int(methods.get("edgefinfer_num_sinks", 0)),
                  lookahead=int(methods.get("edgefinfer_lookahead", 0)) or None, max_chunk=max_chunk)
+    from edgefinfer.model.config import normalize_eos_ids
+
     eos = methods.get("get_eos_ids", [])
     bos = int(methods.get("get_bos_id", -1))
     return ArtefactSpec("pte", kv, vocab_size=int(methods["get_vocab_size"]),

@@ -16,15 +16,12 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import re
-import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
-from edgefinfer.files.atomic import atomic_dir
 from edgefinfer.errors import UserError
 from edgefinfer.files.hashes import known_sha256, sha256_file
 from edgefinfer.files.untrusted import read_json
@@ -72,6 +69,8 @@ def tool_versions() -> dict[str, str | None]:
     # Only a build writes these: importlib.metadata (email, zipfile, csv: 15-60 ms) stays out of a run's start.
     from importlib import metadata
 
+    import platform
+
     out: dict[str, str | None] = {"python": platform.python_version()}
     for name in ("edgefinfer", "torch", "executorch", "torchao", "onnxruntime", "onnx", "onnxruntime-qnn",
                  "llama_cpp_python", "gguf", "tokenizers"):
@@ -96,6 +95,8 @@ class BundleWriter:
     def __init__(self, dest: str | Path, target: str, model: dict[str, Any]):
         self.dest = Path(dest)
         self.manifest = Manifest(target=target, model=model, artefacts=[])
+        from edgefinfer.files.atomic import atomic_dir  # writers only: reading a bundle needs none of it
+
         self._ctx = atomic_dir(self.dest)
         self.tmp: Path | None = None
         self._committed = False
@@ -126,6 +127,8 @@ class BundleWriter:
         assert self.tmp is not None, "use BundleWriter as a context manager"
         relpath = relpath or Path(src).name
         (self.tmp / relpath).parent.mkdir(parents=True, exist_ok=True)
+        import shutil
+
         shutil.copyfile(src, self.tmp / relpath)
         return self.add(relpath, **kw)
 

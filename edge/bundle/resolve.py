@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from edgefinfer.bundle.artefact import ArtefactSpec, read_spec
 from edgefinfer.bundle.manifest import MANIFEST, Artefact, Manifest, load_manifest
-from edgefinfer.model.config import normalize_eos_ids
 from edgefinfer.errors import UserError
 
 if TYPE_CHECKING:
@@ -53,7 +52,11 @@ class ModelSource:
     def eos_ids(self) -> tuple[int, ...] | None:
         """The config's EOS ids; None when no config names them (a GGUF carries its own)."""
         eos = (self.hf_config or {}).get("eos_token_id")
-        return None if eos is None else normalize_eos_ids(eos)
+        if eos is None:
+            return None
+        from edgefinfer.model.config import normalize_eos_ids  # not at import: a bundle's `run` seldom needs it
+
+        return normalize_eos_ids(eos)
 
     @property
     def is_gguf(self) -> bool:

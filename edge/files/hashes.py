@@ -10,7 +10,6 @@ runtime. A file changed less than `stamped.SETTLED_S` ago is hashed but not reme
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 from edgefinfer.files import stamped
@@ -19,6 +18,8 @@ STORE = "sha256-stamps.json"
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    import hashlib  # here: a bundle whose files are stamped opens without it
+
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(chunk):
