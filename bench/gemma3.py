@@ -146,8 +146,12 @@ def heldout_ppl(logits_fn, tok, tokens: int, window: int) -> dict:
 
 
 IMATRIX = "llamacpp-q4_k_m-imatrix"  # llama.cpp's own tools, not a build recipe (see check_imatrix)
-GRID_RECIPES = ("llamacpp-q4_0", "int4-gptq-g32-sym-emb8", "llamacpp-q4_1", "int4-gptq-g32-fzp-emb8", "int4-g32-fzp",
-                "llamacpp-q4_k_m", IMATRIX)
+# Grid rows of a model converted from a GGUF, at the bits of llama.cpp's row beside them: "+requantize"
+# (--requantize-source: every matrix at the recipe's bits, as llama-quantize Q4_0 does) and "+fit"
+# (--fit-source-size: the source's higher-bit matrices in types no larger than its own, Q6_K -> Q5_0).
+REQUANTIZE, FIT = "+requantize", "+fit"
+GRID_RECIPES = ("llamacpp-q4_0", "int4-gptq-g32-sym-emb8", "int4-gptq-g32-sym-emb8" + REQUANTIZE, "llamacpp-q4_1",
+                "int4-gptq-g32-fzp-emb8", "int4-gptq-g32-fzp-emb8" + FIT, "int4-g32-fzp", "llamacpp-q4_k_m", IMATRIX)
 
 
 def check_imatrix(name: str, folder: Path, out: Path, args) -> dict:
@@ -213,8 +217,12 @@ def check_grids(out: Path, args, record: Callable[[dict], Any]) -> None:
                 record(row)
                 continue
             t = time.perf_counter()
-            bundle = build(BuildOptions(target="gpu-server", model=folder, recipe=recipe, out=out / f"{name}-{recipe}",
-                                        eval_tokens=args.tokens, eval_window=args.window, threads=args.threads))
+            fit, requantize = recipe.endswith(FIT), recipe.endswith(REQUANTIZE)
+            if (fit or requantize) and source_gguf_type(folder) in (None, "q4_1"):
+                continue  # every source matrix is at the recipe's bits already (SmolLM2's Q4_1): the plain row
+            bundle = build(BuildOptions(target="gpu-server", model=folder, recipe=recipe.split("+")[0],
+                                        out=out / f"{name}-{recipe}", eval_tokens=args.tokens, eval_window=args.window,
+                                        threads=args.threads, fit_source_size=fit, requantize_source=requantize))
             manifest = load_manifest(bundle)
             m = manifest.metrics or {}
             row = {"model": name, "source_grid": source_gguf_type(folder), "recipe": recipe,

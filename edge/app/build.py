@@ -64,6 +64,7 @@ class BuildOptions:
     soc: str = "sm8650"  # qnn target: the Snapdragon to compile for
     draft: str | Path | None = None  # a draft model folder to ship for speculative decoding
     requantize_source: bool = False  # also bring the source GGUF's higher-bit matrices down to the recipe
+    fit_source_size: bool = False  # a GGUF: those matrices in types no larger than their source's (`source_precision`)
 
 
 @dataclass
@@ -160,6 +161,9 @@ def _check_up_front(opts: BuildOptions) -> tuple[Target, KVSpec, Recipe | None]:
     given = Recipe.parse(opts.recipe) if opts.recipe else None  # and a recipe no exporter knows
     if opts.draft is not None and not Path(opts.draft).is_dir():
         raise UserError(f"draft model folder {opts.draft} does not exist")
+    if opts.fit_source_size and (opts.requantize_source or target.format != "gguf"):
+        raise UserError("--fit-source-size chooses the GGUF types of a source's higher-bit matrices: it needs a GGUF "
+                        f"target (gpu-server; {target.name} writes {target.format}) and no --requantize-source")
     return target, kv, given
 
 
@@ -193,7 +197,7 @@ def _choose_recipe(source: _Source, target: Target, given: Recipe | None, opts: 
     # explicit one (--requantize-source takes the recipe literally; a quality budget measures its
     # candidates anyway).
     keep = not opts.requantize_source and opts.quality_budget is None
-    kept = source_precision(source.folder, recipe, target.format) if keep else {}
+    kept = source_precision(source.folder, recipe, target.format, opts.fit_source_size) if keep else {}
     model = source.model
     if source.prequantized is not None:  # `edgefinfer quantize` already chose: export those codes as they are
         if opts.recipe or opts.quality_budget is not None:

@@ -250,11 +250,14 @@ def targets(as_json: bool) -> None:
 @click.option("--requantize-source", is_flag=True,
               help="For a model converted from a GGUF: quantize every matrix to the recipe, also those the GGUF "
               "stored with more bits (default: those stay at 8 bits).")
+@click.option("--fit-source-size", is_flag=True,
+              help="GGUF targets: keep those matrices in types no larger than the source's (Q6_K -> Q5_0 instead "
+              "of Q8_0), so that the file is no larger than its source GGUF.")
 @click.option("--threads", type=int, default=None)
 @click.option("--verbose", "-v", is_flag=True, help="Also show the libraries' own log lines and warnings.")
 def build(target: str, model: str | None, recipe: str | None, quality_budget: float | None, out: str | None,
           max_seq_len: int, kv: str | None, eval_tokens: int, soc: str, draft: str | None,
-          requantize_source: bool, threads: int | None, verbose: bool) -> None:
+          requantize_source: bool, fit_source_size: bool, threads: int | None, verbose: bool) -> None:
     """Build a deployable bundle for a target: quantize, compile, evaluate, package."""
     get_target_checked(target)  # before importing torch and the exporters: a missing SDK fails at once
     from edgefinfer.libraries.quiet import quiet
@@ -266,7 +269,7 @@ def build(target: str, model: str | None, recipe: str | None, quality_budget: fl
         path = run_build(BuildOptions(target=target, model=model, out=out, recipe=recipe,
                                       quality_budget=quality_budget, max_seq_len=max_seq_len, kv=kv,
                                       eval_tokens=eval_tokens, threads=threads, soc=soc, draft=draft,
-                                      requantize_source=requantize_source))
+                                      requantize_source=requantize_source, fit_source_size=fit_source_size))
     click.echo(str(path))
 
 

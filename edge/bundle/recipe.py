@@ -85,8 +85,8 @@ def quant_recipe_of(name: str | None) -> QuantRecipe | None:
         return None
 
 
-def source_precision(folder: str | Path, recipe: Recipe, artefact_format: str | None = None
-                     ) -> dict[str, WeightFormat]:
+def source_precision(folder: str | Path, recipe: Recipe, artefact_format: str | None = None,
+                     fit_size: bool = False) -> dict[str, WeightFormat]:
     """Module -> the format for each matrix that the GGUF the weights were converted from stored above
     `recipe`'s bits (Gemma 3 270M's Q4_K_M: Q5_0 where a row of 640 fits no K-quant, Q6_K and Q8_0
     beside Q4_K). Re-rounding a 5- or 6-bit grid to 4 bits loses what the source kept. Per-channel int8
@@ -96,7 +96,12 @@ def source_precision(folder: str | Path, recipe: Recipe, artefact_format: str | 
     scales, `primitives.SIGNED_SCALE_BITS`), everything else as int8 in such groups, Q8_0 (a Q8_0 source
     exactly, a 6-bit one within an eighth of its step). Empty for recipes outside our integer grammar
     and for models not converted from a GGUF. `edgefinfer build` and `edgefinfer quantize` both keep
-    these unless told to re-quantize them (--requantize-source)."""
+    these unless told to re-quantize them (--requantize-source).
+
+    `fit_size` (a GGUF only, `build --fit-source-size`): each such matrix takes the larger of Q8_0 and
+    Q5_0 that is no larger than its source type, so that the file is no larger than its source where
+    the source used K-quants we do not write: Q6_K (6.56 bits a weight) -> Q5_0 (5.5), not Q8_0 (8.5);
+    an F16 or Q8_0 source -> Q8_0."""
     from edgefinfer.model.gguf_import import TYPE_BITS, source_tensor_types
 
     types = source_tensor_types(folder)
@@ -108,5 +113,18 @@ def source_precision(folder: str | Path, recipe: Recipe, artefact_format: str | 
     gguf = artefact_format == "gguf"
     int8 = WeightFormat(kind="int", bits=8, group_size=32 if gguf else None, symmetric=True)
     q5_0 = WeightFormat(kind="int", bits=5, group_size=32, symmetric=True)
-    return {name: q5_0 if gguf and t == "Q5_0" else int8 for name, t in types.items()
+    def kept(source_type: str) -> WeightFormat:
+        if gguf and (source_type == "Q5_0" or fit_size and _bits_per_weight(source_type) < _bits_per_weight("Q8_0")):
+            return q5_0
+        return int8
+
+    return {name: kept(t) for name, t in types.items()
             if TYPE_BITS.get(t, 0) > weights.bits and name not in ("model.embed_tokens", "lm_head")}  # those: -emb
+
+
+def _bits_per_weight(ggml_type: str) -> float:
+    """Bits a weight of a ggml type takes in the file, scales included (Q8_0: 8.5, Q6_K: 6.5625)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[ggml_type]]
+    return 8 * size / block
