@@ -35,6 +35,7 @@ def test_a_scripted_conversation_reuses_its_cache_and_a_saved_session_continues_
     turns = [line for line in live.stderr.splitlines() if line.startswith("[")]
     assert len(turns) == 3 and "(0 reused" in turns[0]
     assert all("(0 reused" not in t for t in turns[1:])  # turns 2 and 3 prefill only what is new
+    assert all("reply prefilled again in" in t for t in turns)  # llama.cpp: each reply settled (runtime.session)
     assert f"cached tokens to {saved}" in live.stderr and saved.is_file()
 
     restored = chat(gguf, *ARGS, "--session", str(saved), "--messages", "-", stdin="And of Spain?\n")

@@ -91,7 +91,8 @@ class Chat:
         s = self.session.last
         return (f"{self.session.cached_tokens} tokens in cache, last turn: {s.prompt_tokens} prompt tokens "
                 f"({s.reused_tokens} reused, {s.prefilled_tokens} prefilled), ttft {s.ttft_s * 1000:.0f} ms, "
-                f"{s.generated_tokens} generated at {s.decode_tok_s:.1f} tok/s")
+                f"{s.generated_tokens} generated at {s.decode_tok_s:.1f} tok/s"
+                + (f", reply prefilled again in {s.settle_s * 1000:.0f} ms" if s.settle_s else ""))
 
 
 def say(text: str) -> None:
