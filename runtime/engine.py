@@ -127,6 +127,9 @@ def open_backend(path: str | Path, kind: str | None = None, kv: KVOption = KVOpt
                 if kv.layout is not Layout.STATIC:
                     raise UserError("a QNN bundle's cache is fixed at build time (a window of --max-seq-len "
                                     "slots); drop --kv")
+                if prefill_grid is not None:
+                    raise UserError("--prefill-grid is for ExecuTorch programs; a QNN bundle's prompt graph "
+                                    "takes fixed chunks already")
                 backend = open_qnn(src.folder, src.entry.meta, threads=threads)
             else:
                 backend = _open(src.path, src.backend, kv, threads, max_seq_len, native_load.set,

@@ -22,8 +22,8 @@ run's. An ExecuTorch program's rows also change with where a call starts and how
 with a grid G (`--prefill-grid`) it feeds prompts in calls aligned to G, and a session keeps rows up to
 the last whole chunk of the grid only (the partial one is fed again with the next turn). Without a
 grid, and on eager torch (whose rows differ by float noise, ~4e-5 on SmolLM2), the decoded reply is
-kept as it is, as with `Engine.session(exact=False)`. A reply stopped by its caller is not settled;
-the next turn prefills it instead.
+kept as it is, as with `Engine.session(exact=False)`. A reply whose stream the caller closed (Ctrl-C in
+`edgefinfer chat`) is not settled; the next turn prefills it instead.
 
 What each cache layout allows (the backends' own rollbacks are reused, see `backends.base`):
 - static caches (torch, ExecuTorch, ONNX Runtime, llama.cpp, the paged torch cache): any rollback is
@@ -217,13 +217,13 @@ class Session:
         grid = getattr(backend, "prefill_grid", None)
         if not (self.exact and grid and backend.window is None):
             return 0.0
-        start = self.prefilled // grid * grid
-        if start == len(self.cached) or not engine._lock.acquire(blocking=False):
+        if self.prefilled >= len(self.cached) or not engine._lock.acquire(blocking=False):
             return 0.0  # nothing decoded; or another stream took the engine: the next turn prefills the tail
         try:
             if engine.cache_owner is not self:
                 return 0.0
             t0 = time.perf_counter()
+            start = self.prefilled // grid * grid  # a partial chunk of the grid is fed again with the tail
             last_logits(backend, self.cached[start:], start)
             self.prefilled = len(self.cached)
             return time.perf_counter() - t0

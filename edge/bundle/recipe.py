@@ -113,6 +113,7 @@ def source_precision(folder: str | Path, recipe: Recipe, artefact_format: str | 
     gguf = artefact_format == "gguf"
     int8 = WeightFormat(kind="int", bits=8, group_size=32 if gguf else None, symmetric=True)
     q5_0 = WeightFormat(kind="int", bits=5, group_size=32, symmetric=True)
+
     def kept(source_type: str) -> WeightFormat:
         if gguf and (source_type == "Q5_0" or fit_size and _bits_per_weight(source_type) < _bits_per_weight("Q8_0")):
             return q5_0
