@@ -195,6 +195,8 @@ def test_qnn_bundle_runs_through_the_engine(tmp_path, monkeypatch):
     # 6 prompt tokens + 40 generated: past the 32-slot context, so the ring wraps on both.
     assert len(runs["qnn"]) == 40 and runs["qnn"] == runs["cpu"]
     assert tok.decode(runs["cpu"]).startswith(" acknowledged, that a single man")  # it did learn the text
+    with pytest.raises(UserError, match="prefill-grid is for ExecuTorch programs; a QNN bundle"):
+        Engine.load(tmp_path / "qnn", prefill_grid=8)
 
 
 def test_missing_package_is_a_user_error(monkeypatch):
