@@ -188,14 +188,14 @@ def pte_kv_buffers(num_layers: int) -> list[str]:
 
 
 def _from_pte(methods: Mapping[str, Any]) -> ArtefactSpec:
+    from edgefinfer.model.config import normalize_eos_ids
+
     window = int(methods.get("edgefinfer_window", 0)) or None
     max_chunk = int(methods["get_max_seq_len"])
     kv = KVSpec(Layout.WINDOW if window else Layout.STATIC,
                  max_seq_len=None if window else int(methods.get("get_max_context_len", max_chunk)),
                  window=window, sinks=int(methods.get("edgefinfer_num_sinks", 0)),
                  lookahead=int(methods.get("edgefinfer_lookahead", 0)) or None, max_chunk=max_chunk)
-    from edgefinfer.model.config import normalize_eos_ids
-
     eos = methods.get("get_eos_ids", [])
     bos = int(methods.get("get_bos_id", -1))
     return ArtefactSpec("pte", kv, vocab_size=int(methods["get_vocab_size"]),

@@ -67,9 +67,8 @@ class Manifest:
 
 def tool_versions() -> dict[str, str | None]:
     # Only a build writes these: importlib.metadata (email, zipfile, csv: 15-60 ms) stays out of a run's start.
-    from importlib import metadata
-
     import platform
+    from importlib import metadata
 
     out: dict[str, str | None] = {"python": platform.python_version()}
     for name in ("edgefinfer", "torch", "executorch", "torchao", "onnxruntime", "onnx", "onnxruntime-qnn",
@@ -93,10 +92,10 @@ class BundleWriter:
     """
 
     def __init__(self, dest: str | Path, target: str, model: dict[str, Any]):
-        self.dest = Path(dest)
-        self.manifest = Manifest(target=target, model=model, artefacts=[])
         from edgefinfer.files.atomic import atomic_dir  # writers only: reading a bundle needs none of it
 
+        self.dest = Path(dest)
+        self.manifest = Manifest(target=target, model=model, artefacts=[])
         self._ctx = atomic_dir(self.dest)
         self.tmp: Path | None = None
         self._committed = False
