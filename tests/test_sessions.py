@@ -232,6 +232,26 @@ def test_a_saved_session_continues_with_the_live_sessions_tokens(artefacts, tmp_
     assert restored.last.reused_tokens == (live.last.reused_tokens if want_state == "kv" else 0)
 
 
+@pytest.mark.parametrize("name", ["onnxruntime", "llamacpp"])
+def test_a_saved_session_remembers_which_rows_a_prefill_computed(artefacts, tmp_path, name):
+    """A reply the caller stopped is not settled: its decoded rows stay unkept in the file too, and the
+    restored session prefills them again as the live one does."""
+    live = load(artefacts, name).session()
+    turn(live, TURNS[0], 6)
+    produced = []
+    stream = live.chat(TURNS[1], 8, on_token=produced.append)
+    while len(produced) < 4:
+        next(stream)
+    stream.close()  # stopped by the caller (Ctrl-C in `edgefinfer chat`)
+    prompt = live.last.prompt_tokens
+    assert live.last.settle_s == 0 and live.prefilled == prompt < len(live.cached)
+    assert _header(live.save(tmp_path / "chat.efs"))["prefilled_tokens"] == prompt
+    restored = load(artefacts, name).load_session(tmp_path / "chat.efs")
+    assert restored.prefilled == prompt
+    assert turn(restored, TURNS[2], 8) == turn(live, TURNS[2], 8)
+    assert restored.last.reused_tokens == live.last.reused_tokens <= prompt
+
+
 def _header(file) -> dict:
     data = file.read_bytes()
     n = int.from_bytes(data[len(MAGIC):len(MAGIC) + 8], "little")
