@@ -464,7 +464,7 @@ def _named_tensors(model: Transformer):
 
 
 # Recipes whose every layer has an exact GGUF type (named in refusals).
-GGUF_RECIPES = ("int4-g32-sym (Q4_0)", "int4[-gptq|-awq]-g32[-fzp] (asym, Q4_1)", "int8-g32-emb8 (Q8_0)",
+GGUF_RECIPES = ("int4-g32-sym (Q4_0)", "int4[-gptq|-awq]-g32[-fzp] (asym, Q4_1)", "int4[-gptq|-awq]-g32-fzp-k (Q4_K)", "int8-g32-emb8 (Q8_0)",
                 "with -emb8 or -emb4 embeddings")
 
 
@@ -516,13 +516,15 @@ def layer_gguf_type(name: str, module) -> str:
 
 def _repack(name: str, module, permute_heads: int | None):
     """(bytes, type) of a group-32 int4 / int5 / int8 layer as Q4_0 (sym), Q4_1 (asym), Q5_0 (sym) or
-    Q8_0 (sym)."""
+    Q8_0 (sym), or of a K-quant layer as Q4_K / Q6_K."""
     import gguf
 
-    from edgefinfer.compile.quant.layouts import to_gguf_q4_0, to_gguf_q4_1, to_gguf_q5_0, to_gguf_q8_0
+    from edgefinfer.compile.quant.layouts import (to_gguf_q4_0, to_gguf_q4_1, to_gguf_q4_k, to_gguf_q5_0, to_gguf_q6_k,
+                                                  to_gguf_q8_0)
 
     qtype = layer_gguf_type(name, module)
-    data = {"Q4_0": to_gguf_q4_0, "Q4_1": to_gguf_q4_1, "Q5_0": to_gguf_q5_0, "Q8_0": to_gguf_q8_0}[qtype](module)  # [N, bytes per row]
+    data = {"Q4_0": to_gguf_q4_0, "Q4_1": to_gguf_q4_1, "Q5_0": to_gguf_q5_0, "Q8_0": to_gguf_q8_0,
+            "Q4_K": to_gguf_q4_k, "Q6_K": to_gguf_q6_k}[qtype](module)  # [N, bytes per row]
     if permute_heads is not None:  # rows are independent: permuting them commutes with quantization
         data = permute_qk(data, permute_heads)
     return data, gguf.GGMLQuantizationType[qtype]

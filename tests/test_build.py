@@ -253,8 +253,9 @@ def test_interrupted_build_leaves_no_bundle_and_rerun_succeeds(tmp_path, smollm2
 def test_a_gguf_from_our_recipe_keeps_the_source_ggufs_types(tmp_path, tiny_dir, fit):
     """Gemma 3 270M's case: a model converted from a Q4_K_M file (Q5_0, Q6_K and Q8_0 beside Q4_K) built
     for gpu-server with one of our recipes. Its kept matrices go into types a GGUF holds (Q5_0 as Q5_0,
-    Q6_K as Q8_0), checked before the quantization; per-channel int8 had no GGUF type and failed the build
-    after it. --fit-source-size takes the largest type no larger than the source's: Q6_K as Q5_0."""
+    Q6_K as Q6_K where its rows are whole super-blocks of 256, else Q8_0 as llama.cpp falls back; these
+    are 128 wide), checked before the quantization; per-channel int8 had no GGUF type and failed the build
+    after it. --fit-source-size takes the largest type no larger than the source's: Q5_K as Q5_0."""
     import shutil
 
     from edgefinfer.app import build as build_mod
@@ -262,20 +263,22 @@ def test_a_gguf_from_our_recipe_keeps_the_source_ggufs_types(tmp_path, tiny_dir,
 
     folder = tmp_path / "from-gguf"
     shutil.copytree(tiny_dir, folder)
-    types = {"model.layers.0.mlp.down_proj": "Q6_K", "model.layers.0.self_attn.q_proj": "Q5_0",
-             "model.layers.1.self_attn.q_proj": "Q4_K", "model.layers.1.mlp.down_proj": "Q8_0"}
+    types = {"model.layers.0.mlp.down_proj": "Q5_K", "model.layers.0.self_attn.q_proj": "Q5_0",
+             "model.layers.1.self_attn.q_proj": "Q4_K", "model.layers.1.mlp.down_proj": "Q8_0",
+             "model.layers.1.mlp.up_proj": "Q6_K"}
     (folder / "source.json").write_text(json.dumps({"gguf_type": "q4_k_m", "tensor_types": types}))
     bundle = build_mod.build(build_mod.BuildOptions(target="gpu-server", model=folder, out=tmp_path / "b",
                                                     eval_tokens=0, recipe="int4-g32-fzp", fit_source_size=fit))
     written = {t.name: t.tensor_type.name for t in open_gguf(bundle / "model.gguf").reader.tensors}
-    q6_k_as = "Q5_0" if fit else "Q8_0"
-    assert (written["blk.0.attn_q.weight"], written["blk.0.ffn_down.weight"]) == ("Q5_0", q6_k_as)
+    q5_k_as = "Q5_0" if fit else "Q8_0"
+    assert (written["blk.0.attn_q.weight"], written["blk.0.ffn_down.weight"]) == ("Q5_0", q5_k_as)
     assert written["blk.1.ffn_down.weight"] == "Q8_0"  # no type of ours is smaller and holds 8 bits
+    assert written["blk.1.ffn_up.weight"] == "Q8_0"  # Q6_K's fallback: 64-wide rows are no super-block
     assert written["blk.1.attn_q.weight"] == written["blk.0.attn_k.weight"] == "Q4_1"  # the recipe's
     kept = load_manifest(bundle, target="gpu-server").recipe["source_precision"]
     assert {n: (f["bits"], f["group_size"]) for n, f in kept.items()} == {
         "model.layers.0.mlp.down_proj": (5 if fit else 8, 32), "model.layers.0.self_attn.q_proj": (5, 32),
-        "model.layers.1.mlp.down_proj": (8, 32)}
+        "model.layers.1.mlp.down_proj": (8, 32), "model.layers.1.mlp.up_proj": (8, 32)}
 
 
 @pytest.mark.parametrize("target, requantize", [("linux-x86_64", False), ("gpu-server", True)])
@@ -286,6 +289,16 @@ def test_fit_source_size_is_refused_without_a_gguf_or_with_requantize(tmp_path, 
         build_mod.build(build_mod.BuildOptions(target=target, out=tmp_path / "b", fit_source_size=True,
                                                requantize_source=requantize))
     assert not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("target", ["linux-x86_64", "android"])
+def test_k_quant_recipes_are_refused_outside_a_gguf_before_any_work(tmp_path, tiny_dir, target):
+    from edgefinfer.app import build as build_mod
+
+    with pytest.raises(UserError, match="-k super-blocks are GGUF's K-quants .*drop -k") as e:
+        build_mod.build(build_mod.BuildOptions(target=target, model=tiny_dir, out=tmp_path / "b", eval_tokens=0,
+                                               recipe="int4-g32-fzp-k"))
+    assert "\n" not in str(e.value) and not (tmp_path / "b").exists()
 
 
 @pytest.mark.parametrize("requantize", [False, True])

@@ -243,3 +243,48 @@ def test_a_window_llamacpp_would_ignore_is_refused_past_it(tmp_path, tok):
     ids = tok.encode(PROMPT)[:20]
     got = LlamaCppBackend(path, n_ctx=20, threads=1).forward(ids, 0)
     assert np.abs(got - eager_logits(model, ids)).max() < 1e-3  # within the window the two agree
+
+
+@pytest.mark.llamacpp
+def test_k_quants_of_llamacpps_q4_k_m_come_back_as_its_own_blocks(tmp_path, tok):
+    """A model converted from llama.cpp's Q4_K_M (Q4_K beside Q6_K) and built for gpu-server with
+    int4-g32-fzp-k: the Q6_K matrices stay Q6_K (the source's precision) holding the source's weights
+    exactly, the Q4_K ones are re-quantized by the recipe onto the grids llama.cpp chose (nearly every
+    block byte for byte), and llama.cpp computes the file we wrote."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import dequantize
+
+    from edgefinfer.app import build as build_mod
+    from edgefinfer.model.gguf_import import convert_gguf
+
+    model = tiny_model(vocab_size=tok.vocab_size, eos_token_id=None, hidden_size=256, intermediate_size=512,
+                       max_position_embeddings=256)  # every width whole super-blocks of 256
+    source = tmp_path / "source.gguf"
+    export_gguf(model, tok, source, "q4_k_m")
+    convert_gguf(source, tmp_path / "folder")
+    bundle = build_mod.build(build_mod.BuildOptions(target="gpu-server", model=tmp_path / "folder",
+                                                    out=tmp_path / "b", eval_tokens=0, recipe="int4-g32-fzp-k"))
+    theirs = {t.name: t for t in open_gguf(source).reader.tensors if t.name.startswith("blk.") and len(t.shape) == 2}
+    ours = {t.name: t for t in open_gguf(bundle / "model.gguf").reader.tensors}
+    types = {t.tensor_type for t in theirs.values()}
+    assert types == {Q.Q4_K, Q.Q6_K}, types
+    for name, t in theirs.items():
+        mine = ours[name]
+        assert mine.tensor_type == t.tensor_type, name
+        assert np.array_equal(dequantize(mine.data, Q(mine.tensor_type)), dequantize(t.data, Q(t.tensor_type))) \
+            or t.tensor_type == Q.Q4_K, name
+        if t.tensor_type == Q.Q4_K:
+            size = 144
+            same = (np.asarray(mine.data).reshape(-1, size) == np.asarray(t.data).reshape(-1, size)).all(-1).mean()
+            assert same >= 0.9, (name, same)
+    # llama.cpp computes our file as faithfully as its own: its 8-bit activations (Q8_K beside K-quants)
+    # move its logits off eager torch on the same weights about as much on both files.
+    ids = tok.encode(PROMPT)
+
+    def llamacpp_error(path):
+        got = LlamaCppBackend(path, n_ctx=128, threads=1, cells=CellFormat("f32", False)).forward(ids, 0)
+        return np.abs(got - eager_logits(import_gguf(path)[0], ids)).mean()
+
+    ours_error, theirs_error = llamacpp_error(bundle / "model.gguf"), llamacpp_error(source)
+    assert ours_error < 1.5 * theirs_error, (ours_error, theirs_error)
+    assert ours_error < 0.2 * np.abs(eager_logits(model, ids) - eager_logits(import_gguf(source)[0], ids)).mean()

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from edgefinfer.compile.quant.layouts import (matmulnbits_reference, to_gguf_q4_0, to_gguf_q4_1, to_gguf_q8_0,
-                                              to_matmulnbits, to_torchao, torchao_model)
+from edgefinfer.compile.quant.layouts import (matmulnbits_reference, to_gguf_q4_0, to_gguf_q4_1, to_gguf_q4_k,
+                                              to_gguf_q6_k, to_gguf_q8_0, to_matmulnbits, to_torchao, torchao_model)
 from edgefinfer.compile.quant.modules import QuantLinear
 from edgefinfer.compile.quant.primitives import quantize_int
 from edgefinfer.compile.quant.recipe import WeightFormat, parse_recipe
@@ -76,6 +76,42 @@ def test_q4_0_layout_matches_gguf_quantizer_on_its_own_grid():
     w = codes * d
     m = qlinear(WeightFormat("int", 4, 32, True), w=torch.from_numpy(w))
     assert np.array_equal(to_gguf_q4_0(m), gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_0))
+
+
+Q4_K = WeightFormat("int", 4, 32, False, float_zero=True, super_block=256)
+Q6_K = WeightFormat("int", 6, 16, True, super_block=256)
+
+
+def test_q4_k_bytes_decode_to_our_weights():
+    """Q4_K decodes d * sc * nibble - dmin * mc per group of 32: our weights to float32 rounding (ours
+    compute (q - z) * scale), with 6-bit levels of two fp16 steps per 256 weights."""
+    gguf = pytest.importorskip("gguf")
+    m = qlinear(Q4_K, n=64, k=512)
+    assert m.scales.dtype == torch.float32  # d * sc: up to 17 significant bits
+    raw = to_gguf_q4_k(m)
+    assert raw.dtype == np.uint8 and raw.shape == (64, 2 * 144)
+    deq = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_K)
+    want = m.dequantized().numpy()
+    assert np.abs(deq - want).max() <= 1e-6 * np.abs(want).max()
+    assert m.packed_bytes() == raw.nbytes
+
+
+def test_q6_k_bytes_decode_to_our_weights_bit_for_bit():
+    gguf = pytest.importorskip("gguf")
+    m = qlinear(Q6_K, n=64, k=512)
+    raw = to_gguf_q6_k(m)
+    assert raw.shape == (64, 2 * 210) and m.packed_bytes() == raw.nbytes
+    assert (m.scales < 0).any() and (m.scales > 0).any()  # signed levels: the largest magnitude on code -32
+    assert np.array_equal(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q6_K), m.dequantized().numpy())
+
+
+def test_k_quants_refuse_scales_that_are_not_super_blocks():
+    m = qlinear(Q4_K, n=8, k=256)
+    m.scales[0, 3] *= 1.001  # no longer an fp16 step times an integer level
+    with pytest.raises(UserError, match="not K-quant super-blocks.*re-quantize"):
+        to_gguf_q4_k(m)
+    with pytest.raises(UserError, match="Q6_K holds int6-g16-sym"):
+        to_gguf_q6_k(qlinear(WeightFormat("int", 8, 32, True), n=8, k=256))
 
 
 @pytest.mark.parametrize("fmt,fn", [(WeightFormat("int", 4, 32, False), to_gguf_q4_0),

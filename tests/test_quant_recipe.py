@@ -94,6 +94,26 @@ def test_float_zero_point_recipes():
     assert WeightFormat("fp8").bits_per_weight(512) == 8 + 32 / 512
 
 
+def test_k_quant_recipes_are_q4_k_super_blocks_with_a_fallback_for_other_widths():
+    """-k: GGUF's Q4_K, 4.5 bits a weight (Q4_1 takes 5.0); rows that are no whole super-blocks fall back
+    as llama.cpp's do (Q4_K -> the same groups without super-blocks, Q6_K -> Q8_0)."""
+    r = parse_recipe("int4-gptq-g32-fzp-k")
+    assert (r.method, r.weights.super_block, r.weights.label()) == ("gptq", 256, "int4-g32-fzp-k256")
+    assert QuantRecipe.from_dict(r.to_dict()) == r
+    assert "super_block" not in parse_recipe("int4-g32-fzp").to_dict()["weights"]  # older files unchanged
+    assert r.weights.bits_per_weight(1024) == 4.5
+    q6_k = WeightFormat("int", 6, 16, True, super_block=256)
+    assert q6_k.bits_per_weight(2048) == 6.5625  # GGUF's own block size: 210 bytes per 256 weights
+    assert r.weights.for_width(640) == WeightFormat("int", 4, 32, False, float_zero=True)
+    assert q6_k.for_width(640) == WeightFormat("int", 8, 32, True) and q6_k.for_width(512) == q6_k
+    for name in ("int4-g32-sym-k", "int4-g64-fzp-k", "8da4w-g32-fzp-k", "int4-gptq-noact-g32-fzp-k"):
+        with pytest.raises(UserError, match="-k .*g32-fzp-k") as e:
+            parse_recipe(name)
+        assert "\n" not in str(e.value)
+    with pytest.raises(UserError, match="K-quants only"):
+        WeightFormat("int", 4, 32, True, super_block=256)
+
+
 def test_resolution_order_keep_float_then_overrides_then_role():
     r = parse_recipe("int4-g32").replace(keep_float=("*.down_proj",))
     r = r.with_overrides({"model.layers.0.self_attn.q_proj": WeightFormat("int", 8, 32, True),

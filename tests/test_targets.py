@@ -66,10 +66,11 @@ def test_a_default_recipe_keeps_the_bits_the_source_gguf_gave_each_matrix(tmp_pa
     kept = source_precision(tmp_path, Recipe.parse("8da4w-g32-fzp"))
     assert sorted(kept) == ["model.layers.0.mlp.down_proj", "model.layers.0.self_attn.q_proj"]  # 6 and 5 bits
     assert {(f.bits, f.group_size, f.symmetric) for f in kept.values()} == {(8, None, True)}
-    # A GGUF keeps a Q5_0 source as Q5_0 (int5 in symmetric groups of 32) and the rest as Q8_0.
+    # A GGUF keeps a Q5_0 source as Q5_0 (int5 in symmetric groups of 32), a Q6_K one as Q6_K (int6 in
+    # symmetric groups of 16, super-blocks of 256) and the rest as Q8_0.
     kept = source_precision(tmp_path, Recipe.parse("int4-g32-fzp"), "gguf")
-    assert {n: (f.bits, f.group_size, f.symmetric) for n, f in kept.items()} == {
-        "model.layers.0.mlp.down_proj": (8, 32, True), "model.layers.0.self_attn.q_proj": (5, 32, True)}
+    assert {n: (f.bits, f.group_size, f.symmetric, f.super_block) for n, f in kept.items()} == {
+        "model.layers.0.mlp.down_proj": (6, 16, True, 256), "model.layers.0.self_attn.q_proj": (5, 32, True, None)}
     for name, folder in (("int8", tmp_path), ("llamacpp-q4_k_m", tmp_path), ("fp32", tmp_path),
                          ("int4-g32", tmp_path / "elsewhere")):
         assert source_precision(folder, Recipe.parse(name)) == {}

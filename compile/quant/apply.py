@@ -66,6 +66,7 @@ def plan_formats(model: Transformer, recipe: QuantRecipe) -> dict[str, WeightFor
         k = model.get_submodule(name).weight.shape[1]
         if fmt.kind == "int":
             fmt.group_for(k, name)
+            plan[name] = fmt.for_width(k)  # K-quant super-blocks only where they divide the row
     if model.config.tie_word_embeddings and recipe.rotation is None and plan[EMBEDDING] != plan[LM_HEAD]:
         label = lambda f: "float" if f is None else f.label()  # noqa: E731
         raise UserError(f"the model ties lm_head to its embeddings, but the recipe gives them different formats "

@@ -34,8 +34,8 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from edgefinfer.compile.quant.primitives import (IntWeights, choose_qparams, dequantize_int, quantize_with,
-                                                 zero_dtype)
+from edgefinfer.compile.quant.primitives import (IntWeights, choose_qparams, dequantize_int, group_qparams,
+                                                 quantize_with, scale_storage_dtype, zero_dtype)
 from edgefinfer.compile.quant.recipe import GPTQSettings, WeightFormat
 
 
@@ -73,11 +73,13 @@ def gptq_quantize(weight: Tensor, hessian: Tensor, fmt: WeightFormat, settings: 
     zeros = torch.zeros(G, N)
     if settings.act_order:
         perm = torch.argsort(H.diagonal(), descending=True)
-        s, z = choose_qparams(W.reshape(N, G, g), fmt.bits, fmt.symmetric, fmt.scale_dtype,
-                              fmt.float_zero)  # static groups
+        s, z = group_qparams(W.reshape(N, G, g), fmt)  # static groups
         scales[:], zeros[:] = s.T, z.T
         W, H = W[:, perm], H[perm][:, perm]
         group_of = (perm // g).tolist()  # group of the j-th column in sweep order
+    elif fmt.super_block:
+        raise ValueError("K-quant super-blocks couple the scales of 8 groups: GPTQ chooses them up front, "
+                         "with act-order")
     else:
         perm = None
         group_of = (torch.arange(K) // g).tolist()
@@ -108,7 +110,7 @@ def gptq_quantize(weight: Tensor, hessian: Tensor, fmt: WeightFormat, settings: 
     codes, scales, zeros = codes.T, scales.T, zeros.T
     if perm is not None:
         codes = codes[:, torch.argsort(perm)]
-    return IntWeights(codes.to(torch.int8), scales.to(torch.float16), zeros.to(zero_dtype(fmt)))
+    return IntWeights(codes.to(torch.int8), scales.to(scale_storage_dtype(fmt)), zeros.to(zero_dtype(fmt)))
 
 
 def output_error(weight: Tensor, q: IntWeights, hessian: Tensor) -> float:

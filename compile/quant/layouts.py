@@ -128,9 +128,15 @@ GGUF_FORMATS = {"Q4_0": (4, True, "int4-g32-sym"), "Q4_1": (4, False, "int4-g32 
                 "Q8_0": (8, True, "int8-g32")}
 
 
+# K-quant formats (`WeightFormat.super_block`) -> GGUF type.
+GGUF_K_FORMATS = {(4, 32, True): "Q4_K", (6, 16, False): "Q6_K"}  # (bits, group, float zero)
+
+
 def gguf_type_of(fmt, group_size: int | None) -> str | None:
     """The GGUF type holding a layer of format `fmt` (bit for bit; a float zero point's minimum within
     float32 rounding), or None. Q4_1's minimum is a float, so both asymmetric int4 kinds map onto it."""
+    if fmt is not None and fmt.kind == "int" and fmt.super_block:
+        return GGUF_K_FORMATS.get((fmt.bits, group_size, fmt.float_zero))
     if fmt is None or fmt.kind != "int" or group_size != GGUF_BLOCK:
         return None
     if fmt.float_zero and fmt.bits != 4:
@@ -210,6 +216,76 @@ def to_gguf_q8_0(module: _IntStorage) -> np.ndarray:
     nb = K // GGUF_BLOCK
     qs = module.qweight.numpy().astype(np.int8).reshape(N, nb, GGUF_BLOCK).view(np.uint8)
     return np.concatenate([_fp16_bytes(module.scales.numpy(), N, nb), qs], -1).reshape(N, nb * 34)
+
+
+# ---- GGUF Q4_K / Q6_K (K-quant super-blocks of 256) -------------------------------------------------
+
+QK_K = 256
+
+
+def _superblock_steps(scales: np.ndarray, top: int, low: int, high: int, what: str) -> tuple[np.ndarray, np.ndarray]:
+    """(fp16 step [N, S, 1], integer levels [N, S, per]) of float32 group scales [N, S, per] that are
+    d * level with the largest magnitude on level `top` (`primitives.superblock_qparams`), recovered
+    exactly; a UserError if they are not."""
+    lead = np.take_along_axis(scales, np.abs(scales).argmax(-1)[..., None], -1)  # [N, S, 1]
+    d = (lead / np.float32(top)).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        levels = np.where(d != 0, scales / np.where(d != 0, d, 1), 0)
+    levels = np.round(levels)
+    exact = ((d.astype(np.float16).astype(np.float32) == d).all() and (levels * d == scales).all()
+             and ((levels >= low) & (levels <= high)).all())
+    if not exact:
+        raise UserError(f"these {what} are not K-quant super-blocks (an fp16 step times integer levels); "
+                        "re-quantize with this version of edgefinfer")
+    return d, levels
+
+
+def to_gguf_q4_k(module: _IntStorage) -> np.ndarray:
+    """uint8 [N, K / 256 * 144]: per super-block fp16 d and dmin, the 8 groups' 6-bit scales and minima
+    packed into 12 bytes (ggml's get_scale_min_k4: groups 0-3 in the low 6 bits of bytes 0-3 / 4-7,
+    groups 4-7 as nibbles of bytes 8-11 plus the spare top 2 bits of bytes 0-7), then 128 bytes of
+    nibbles (groups 2c and 2c + 1 in the low and high nibbles of bytes 32c..32c + 31). Decodes
+    d * sc * nibble - dmin * mc; `module` holds (code - z) * d * sc, so mc = d * sc * (z + 8) / dmin."""
+    if gguf_type_of(module.fmt, module.group_size) != "Q4_K":
+        raise UserError(f"GGUF Q4_K holds int4-g32-fzp-k{QK_K}; this layer is {module.fmt.label()}: quantize "
+                        "with recipe int4-g32-fzp-k")
+    N, K = module.qweight.shape
+    S = K // QK_K
+    scales = module.scales.numpy().astype(np.float32).reshape(N, S, 8)
+    minima = (scales * (module.zeros.numpy().astype(np.float32).reshape(N, S, 8) + 8)).astype(np.float32)
+    d, sc = _superblock_steps(scales, 63, 0, 63, "scales")
+    peak = minima.max(-1, keepdims=True)  # float32 products: off by rounding, so dmin is rounded to fp16
+    dmin = (peak / 63).astype(np.float16).astype(np.float32)
+    mc = np.round(np.where(dmin > 0, minima / np.where(dmin > 0, dmin, 1), 0))
+    if not ((mc >= 0) & (mc <= 63)).all() or not (np.abs(mc * dmin - minima) <= 1e-4 * np.abs(minima) + 1e-30).all():
+        raise UserError("these float zero points are not K-quant minima; re-quantize with this version of edgefinfer")
+    sc, mc = sc.astype(np.uint8), mc.astype(np.uint8)  # [N, S, 8]
+    packed = np.empty((N, S, 12), dtype=np.uint8)
+    packed[..., 0:4] = sc[..., 0:4] | ((sc[..., 4:8] >> 4) << 6)
+    packed[..., 4:8] = mc[..., 0:4] | ((mc[..., 4:8] >> 4) << 6)
+    packed[..., 8:12] = (sc[..., 4:8] & 0xF) | ((mc[..., 4:8] & 0xF) << 4)
+    q = (module.qweight.numpy().astype(np.int16) + 8).astype(np.uint8).reshape(N, S, 4, 2, 32)
+    qs = (q[..., 0, :] | (q[..., 1, :] << 4)).reshape(N, S, 128)
+    head = np.concatenate([_fp16_bytes(d, N, S), _fp16_bytes(dmin, N, S)], -1)
+    return np.concatenate([head, packed, qs], -1).reshape(N, S * 144)
+
+
+def to_gguf_q6_k(module: _IntStorage) -> np.ndarray:
+    """uint8 [N, K / 256 * 210]: per super-block 128 bytes of low nibbles, 64 of high 2-bit pairs, 16
+    signed 8-bit group scales, fp16 d; decodes d * sc * (u - 32). ggml's order: each half of 128 values
+    holds four runs of 32 (l, l + 32, l + 64, l + 96): low nibbles of runs 0 / 1 in bytes l / l + 32 and
+    of runs 2 / 3 in their high nibbles, the high bits of all four in byte l of qh at shifts 0, 2, 4, 6."""
+    if gguf_type_of(module.fmt, module.group_size) != "Q6_K":
+        raise UserError(f"GGUF Q6_K holds int6-g16-sym-k{QK_K}; this layer is {module.fmt.label()}")
+    N, K = module.qweight.shape
+    S = K // QK_K
+    d, sc = _superblock_steps(module.scales.numpy().astype(np.float32).reshape(N, S, 16), -128, -128, 127, "scales")
+    u = (module.qweight.numpy().astype(np.int16) + 32).astype(np.uint8).reshape(N, S, 2, 4, 32)  # half, run, l
+    low, high = u & 0xF, u >> 4
+    ql = np.concatenate([low[..., 0, :] | (low[..., 2, :] << 4), low[..., 1, :] | (low[..., 3, :] << 4)], -1)
+    qh = high[..., 0, :] | (high[..., 1, :] << 2) | (high[..., 2, :] << 4) | (high[..., 3, :] << 6)  # [N, S, 2, 32]
+    return np.concatenate([ql.reshape(N, S, 128), qh.reshape(N, S, 64), sc.astype(np.int8).view(np.uint8),
+                           _fp16_bytes(d, N, S)], -1).reshape(N, S * 210)
 
 
 # ---- torchao (ExecuTorch / XNNPACK) ------------------------------------------------------------------

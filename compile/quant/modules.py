@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from edgefinfer.compile.quant.primitives import (Fp8Weights, IntWeights, dequantize_fp8, dequantize_int,
-                                                 fake_quant_per_token_int8, split_outliers, zero_dtype)
+                                                 fake_quant_per_token_int8, scale_storage_dtype, split_outliers,
+                                                 zero_dtype)
 from edgefinfer.compile.quant.recipe import WeightFormat
 
 FLOAT_BYTES = 2  # unquantized tensors are counted at fp16/bf16, as they would be deployed
@@ -36,7 +37,7 @@ class _IntStorage(nn.Module):
         self.fmt = fmt
         self.group_size = fmt.group_for(k, where)
         self.register_buffer("qweight", torch.zeros(n, k, dtype=torch.int8))
-        self.register_buffer("scales", torch.ones(n, k // self.group_size, dtype=torch.float16))
+        self.register_buffer("scales", torch.ones(n, k // self.group_size, dtype=scale_storage_dtype(fmt)))
         self.register_buffer("zeros", torch.zeros(n, k // self.group_size, dtype=zero_dtype(fmt)))
 
     @property
@@ -52,7 +53,7 @@ class _IntStorage(nn.Module):
             raise ValueError(f"shape mismatch: codes {tuple(w.codes.shape)} scales {tuple(w.scales.shape)}, "
                              f"expected {tuple(self.qweight.shape)} {tuple(self.scales.shape)}")
         self.qweight = w.codes.to(torch.int8).contiguous()
-        self.scales = w.scales.to(torch.float16).contiguous()
+        self.scales = w.scales.to(scale_storage_dtype(self.fmt)).contiguous()
         self.zeros = w.zeros.to(zero_dtype(self.fmt)).contiguous()
 
     def int_weights(self) -> IntWeights:
@@ -75,6 +76,8 @@ class _IntStorage(nn.Module):
         """Bytes in a packed deployment: codes at `bits` each, fp16 scales, zero points if asymmetric
         (`bits` each, or an fp16 minimum each for a float zero point)."""
         n, k = self.qweight.shape
+        if self.fmt.super_block:  # K-quants: integer levels per group, fp16 steps per super-block
+            return int(n * k * self.fmt.bits_per_weight(k)) // 8
         groups = self.scales.numel()
         zero_bits = groups * self.fmt.zero_point_bits
         return (n * k * self.fmt.bits + zero_bits + 7) // 8 + 2 * groups

@@ -36,6 +36,15 @@ Conventions (shared by every method and every exporter, see docs/QUANTIZATION.md
   such a grid is kept: a checkpoint from Q4_1, and from Q4_K blocks, whose codes seldom reach both ends
   (Gemma 3 270M: +4.0% -> +0.6% perplexity on the bible text, bench/results/gemma3.json `fzp_search`).
 
+* K-quant super-blocks (`WeightFormat.super_block`, GGUF's Q4_K and Q6_K, `superblock_qparams`): each
+  group's scale is first chosen as above (Q4_K: the least-squares grid with its bottom at or below zero,
+  as llama.cpp's make_qkx2_quants clamps it; Q6_K: signed, the group's largest magnitude on code -32),
+  then the scales of a super-block become integer levels of one fp16 step d: 6-bit 1..63 with the
+  largest group on 63 (Q4_K; its minima likewise 0..63 of an fp16 dmin), signed 8-bit with the largest
+  on -128 (Q6_K), as llama.cpp's quantize_row_q4_K / q6_K choose them, and the codes are chosen under
+  these scales. d * level has up to 17 significant bits, so these scales are stored as float32
+  (`scale_storage_dtype`); the writer recovers d as the largest scale / 63 (/ -128) exactly.
+
 Every rounding error is therefore at most scale / 2 (plus the fp16 rounding of the scale itself).
 """
 
@@ -60,7 +69,7 @@ class IntWeights(NamedTuple):
     """A weight matrix [N, K] as integer codes in groups of `group_size` input channels."""
 
     codes: Tensor  # int8 [N, K], values in qrange(bits, symmetric)
-    scales: Tensor  # float16 [N, K // group_size]
+    scales: Tensor  # float16 [N, K // group_size]; float32 for K-quant super-blocks
     zeros: Tensor  # int8 [N, K // group_size]; all 0 when symmetric; float32 for a float zero point
 
 
@@ -230,6 +239,79 @@ def exact_offset_scale(scale: Tensor, min_neg: Tensor, bits: int, scale_dtype: s
     return scale, zero
 
 
+def scale_storage_dtype(fmt: WeightFormat) -> torch.dtype:
+    """How group scales are stored: float16, or float32 for K-quant super-blocks (d * level)."""
+    return torch.float32 if fmt.super_block else torch.float16
+
+
+def group_qparams(groups: Tensor, fmt: WeightFormat) -> tuple[Tensor, Tensor]:
+    """Scale and zero point [N, G] of every group of a matrix `groups` [N, G, g] in format `fmt`."""
+    if fmt.super_block:
+        return superblock_qparams(groups, fmt)
+    return choose_qparams(groups, fmt.bits, fmt.symmetric, fmt.scale_dtype, fmt.float_zero)
+
+
+def _fp16_nearest(x: Tensor) -> Tensor:
+    return x.half().float()
+
+
+def superblock_qparams(groups: Tensor, fmt: WeightFormat) -> tuple[Tensor, Tensor]:
+    """K-quant (scale, zero) [N, G] of `groups` [N, G, g] (see the module docstring): the groups' own
+    parameters, then their scales (and minima) as integer levels of one fp16 step per super-block."""
+    N, G, g = groups.shape
+    per = fmt.super_block // g  # groups per super-block
+    if G % per:
+        raise ValueError(f"{G * g} columns are not whole super-blocks of {fmt.super_block}")
+    qmin, qmax = qrange(fmt.bits, fmt.symmetric)
+    w = groups.float()
+    if fmt.float_zero:  # Q4_K: x = d * sc * q - dmin * mc, q in 0..15, sc and mc in 0..63
+        step, bottom = least_squares_grid(w, qmax - qmin)  # [N, G]
+        above = bottom > 0  # minima are stored as -dmin * mc <= 0: such a group takes the grid from 0 up
+        step = torch.where(above, w.amax(-1) / (qmax - qmin), step).clamp(min=SCALE_MIN)
+        d, sc = _levels(step.reshape(N, -1, per), 63, low=1)  # [N, S, 1], [N, S, per]
+        dmin, mc = _levels((-bottom).clamp(min=0).reshape(N, -1, per), 63, low=0)
+        scale, minimum = (d * sc).reshape(N, G), (dmin * mc).reshape(N, G)  # both exact in float32
+        return scale, qmin + minimum / scale
+    # Q6_K: x = d * sc * q, q in -32..31, sc in -128..127: the largest magnitude of a group on -32, or
+    # the finest step that holds the group exactly (a group read from a Q6_K file)
+    S = symmetric_group_steps(w, qmin, qmax).reshape(N, -1, per)
+    lead = S.gather(-1, S.abs().argmax(-1, keepdim=True))  # [N, S, 1]: the super-block's largest scale
+    d = _fp16_nearest(lead / -128)
+    d = torch.where(d == 0, torch.full_like(d, -(2.0**-24)) * lead.sign(), d)
+    sc = torch.round(S / d).clamp(-128, 127)
+    sc = torch.where(sc == 0, torch.where(S / d < 0, -1.0, 1.0), sc)  # never a zero scale
+    sc = torch.where(S == lead, torch.full_like(sc, -128.0), sc)
+    return (d * sc).reshape(N, G), torch.zeros(N, G)
+
+
+def symmetric_group_steps(w: Tensor, qmin: int, qmax: int) -> Tensor:
+    """Signed step [...] of each group of `w` [..., g]: the smallest in magnitude on which every weight is
+    a code in qmin..qmax (to a thousandth of a step: float32 products), its largest magnitude on a negative
+    code; where none is, the largest magnitude on qmin (llama.cpp's -nmax / max)."""
+    top = w.gather(-1, w.abs().argmax(-1, keepdim=True))  # [..., 1], signed
+    fallback = torch.where(top == 0, torch.full_like(top, SCALE_MIN), top / qmin).squeeze(-1)
+    best = torch.full_like(fallback, float("inf"))
+    for code in range(qmin, 0):  # the top's code: -32 (the finest step) up to -1
+        step = top / code
+        q = w / step
+        fits = ((q - q.round()).abs() <= 1e-3).all(-1) & (q.round() >= qmin).all(-1) & (q.round() <= qmax).all(-1)
+        fits = fits & (top.squeeze(-1) != 0) & torch.isinf(best)
+        best = torch.where(fits, step.squeeze(-1), best)
+    return torch.where(torch.isinf(best), fallback, best)
+
+
+def _levels(values: Tensor, top: int, low: int) -> tuple[Tensor, Tensor]:
+    """(fp16 step [..., 1], integer levels [..., n] in low..top) of non-negative `values` [..., n]: the
+    largest value on level `top` (so the step is recoverable as largest / top), the rest to nearest."""
+    peak = values.amax(-1, keepdim=True)
+    step = _fp16_nearest(peak / top)
+    step = torch.where(step > 0, step, torch.where(peak > 0, torch.full_like(step, 2.0**-24), step))
+    safe = torch.where(step > 0, step, torch.ones_like(step))
+    levels = torch.round(values / safe).clamp(low, top)
+    levels = torch.where((values == peak) & (peak > 0), torch.full_like(levels, float(top)), levels)
+    return step, levels
+
+
 def quantize_with(w: Tensor, scale: Tensor, zero: Tensor, bits: int, symmetric: bool,
                   float_zero: bool = False) -> Tensor:
     """Codes (float, integral) of `w` [..., g] with per-row scale/zero [...] (or broadcastable)."""
@@ -251,9 +333,10 @@ def quantize_int(w: Tensor, fmt: WeightFormat, where: str = "this layer") -> Int
     N, K = w.shape
     g = fmt.group_for(K, where)
     groups = w.detach().float().reshape(N, K // g, g)  # [N, G, g]
-    scale, zero = choose_qparams(groups, fmt.bits, fmt.symmetric, fmt.scale_dtype, fmt.float_zero)  # [N, G]
+    scale, zero = group_qparams(groups, fmt)  # [N, G]
     codes = quantize_with(groups, scale, zero, fmt.bits, fmt.symmetric, fmt.float_zero)
-    return IntWeights(codes.reshape(N, K).to(torch.int8), scale.to(torch.float16), zero.to(zero_dtype(fmt)))
+    return IntWeights(codes.reshape(N, K).to(torch.int8), scale.to(scale_storage_dtype(fmt)),
+                      zero.to(zero_dtype(fmt)))
 
 
 def dequantize_int(codes: Tensor, scales: Tensor, zeros: Tensor) -> Tensor:

@@ -197,8 +197,10 @@ def _choose_recipe(source: _Source, target: Target, given: Recipe | None, opts: 
     # explicit one (--requantize-source takes the recipe literally; a quality budget measures its
     # candidates anyway).
     keep = not opts.requantize_source and opts.quality_budget is None
-    kept = source_precision(source.folder, recipe, target.format, opts.fit_source_size) if keep else {}
     model = source.model
+    kept = source_precision(source.folder, recipe, target.format, opts.fit_source_size) if keep else {}
+    # what each gets at its width: a K-quant where its rows are whole super-blocks, else llama.cpp's fallback
+    kept = {name: fmt.for_width(model.get_submodule(name).weight.shape[1]) for name, fmt in kept.items()}
     if source.prequantized is not None:  # `edgefinfer quantize` already chose: export those codes as they are
         if opts.recipe or opts.quality_budget is not None:
             raise UserError(f"{source.folder} is already quantized ({source.prequantized.name}); drop "
@@ -569,6 +571,9 @@ def check_recipe(model, target: Target, recipe: Recipe, overrides: dict[str, Any
 
     parsed = recipe.quant.with_overrides(overrides) if overrides else recipe.quant
     plan_formats(model, parsed)  # group sizes that do not divide the model's widths, tied-head formats
+    if target.format != "gguf" and parsed.weights.super_block:
+        raise UserError(f"recipe {recipe.name}: -k super-blocks are GGUF's K-quants (target gpu-server); "
+                        f"for {target.name} drop -k")
     if target.format == "gguf":
         from edgefinfer.compile.gguf_export import gguf_types_for
 

@@ -6,7 +6,7 @@ description (`edgefinfer.bundle.artefact`) and the runtimes hold it without impo
 
 A recipe name is a short dash-separated string parsed by `parse_recipe`:
 
-    SCHEME [-METHOD] [-gN | -pc] [-sym | -asym | -fzp] [-embF] [-smooth] [-split] [-outliersN] [-rot]
+    SCHEME [-METHOD] [-gN | -pc] [-sym | -asym | -fzp] [-k] [-embF] [-smooth] [-split] [-outliersN] [-rot]
 
     SCHEME  int8 | int4 | 8da4w | 8da8w | fp8  (8daNw = int8 dynamic per-token activations, intN weights;
                                                8da8w is per-channel, with int8 per-row embeddings)
@@ -19,6 +19,10 @@ A recipe name is a short dash-separated string parsed by `parse_recipe`:
             only symmetric low-bit weights (XNNPACK, MatMulNBits' fast path) it is exported as the
             symmetric codes plus a small float linear over the input's group sums (int4 and int8;
             8da4w-*-fzp too)
+    -k      K-quant super-blocks (GGUF's Q4_K, with int4-[METHOD-]g32-fzp): the scales and minima of each
+            8 groups of 32 quantized to 6 bits under one fp16 step and one fp16 minimum step, 4.5 bits a
+            weight instead of Q4_1's 5.0; a matrix whose width is not a multiple of 256 takes the plain
+            group-32 format (Q4_1), as llama.cpp falls back for its K-quants. GGUF (gpu-server) only
     -embF   embeddings and output head: emb8 (int8 g32 sym), emb4 (int4 g32 sym), embf (kept float);
             defaults: int8 per-row for int8 and 8da4w, emb8 for int4, float for fp8
     -rot    fuse a randomized Hadamard rotation into the float weights first (QuaRot / SpinQuant R1+R2,
@@ -68,6 +72,10 @@ SPLIT_RATIO = 8
 # -outliersN: more float channels than this would make the float part a GEMM of its own (64 float32
 # columns of a 640-wide input weigh 80% of its int4 matrix).
 MAX_OUTLIER_CHANNELS = 64
+# GGUF's K-quants as (kind, bits, group, symmetric, float zero, super-block): Q4_K (x = d * sc * q - dmin * m,
+# 6-bit sc and m per group of 32) and Q6_K (x = d * sc * q, signed 8-bit sc per group of 16).
+SUPER_BLOCK = 256
+SUPER_BLOCK_FORMATS = (("int", 4, 32, False, True, SUPER_BLOCK), ("int", 6, 16, True, False, SUPER_BLOCK))
 
 
 @dataclass(frozen=True)
@@ -83,6 +91,9 @@ class WeightFormat:
     scale_dtype: the values scales are rounded to (always stored as float16): "float16", or
     "bfloat16" for XNNPACK, whose 4-bit kernels keep scales in bf16 (8da4w recipes use it, so the
     exported .pte computes with exactly the eager model's weights).
+    super_block: GGUF's K-quants, `SUPER_BLOCK_FORMATS`: the group scales (and float minima) of each run
+    of `super_block` weights are themselves integers times one fp16 step per run (and one fp16 minimum
+    step), so a group's scale is no fp16 value and is stored as float32 (`compile.quant.primitives`).
     """
 
     kind: Literal["int", "fp8"] = "int"
@@ -91,8 +102,13 @@ class WeightFormat:
     symmetric: bool = True
     scale_dtype: Literal["float16", "bfloat16"] = "float16"
     float_zero: bool = False
+    super_block: int | None = None
 
     def __post_init__(self) -> None:
+        if self.super_block is not None and (self.kind, self.bits, self.group_size, self.symmetric, self.float_zero,
+                                             self.super_block) not in SUPER_BLOCK_FORMATS:
+            raise UserError(f"super-blocks of {self.super_block} exist for GGUF's K-quants only: "
+                            f"int4-g32-fzp (Q4_K) and int6-g16-sym (Q6_K) in super-blocks of {SUPER_BLOCK}")
         if self.kind == "fp8":
             object.__setattr__(self, "bits", 8)
             object.__setattr__(self, "group_size", None)
@@ -120,12 +136,30 @@ class WeightFormat:
                             f"use a group size that divides it ({', '.join(map(str, divisors)) or 'per-channel -pc'})")
         return g
 
+    def for_width(self, in_features: int) -> "WeightFormat":
+        """The format a matrix `in_features` wide takes: without super-blocks where they do not divide
+        it (llama.cpp falls back likewise: Gemma 3's 640-wide rows): Q4_K's groups as Q4_1, Q6_K as Q8_0."""
+        if self.super_block and in_features % self.super_block:
+            if self.symmetric:  # Q6_K -> Q8_0, llama.cpp's own fallback
+                return WeightFormat("int", 8, 32, True)
+            return dataclasses.replace(self, super_block=None)  # Q4_K -> Q4_1: the same groups and minima
+        return self
+
     def bits_per_weight(self, in_features: int) -> float:
-        """Stored bits per weight including scales and zero points (fp16 scales, packed zero points)."""
+        """Stored bits per weight including scales and zero points (fp16 scales, packed zero points;
+        K-quants: `scale_bits` per group scale and minimum, fp16 steps per super-block)."""
         if self.kind == "fp8":
             return 8 + 32 / in_features
         g = in_features if self.group_size is None else self.group_size
+        if self.super_block:
+            per_group = self.scale_bits * (2 if self.float_zero else 1)
+            return self.bits + per_group / g + 16 * (2 if self.float_zero else 1) / self.super_block
         return self.bits + (16 + self.zero_point_bits) / g
+
+    @property
+    def scale_bits(self) -> int:
+        """Bits of one group's scale: 16 (fp16), or a K-quant's integer level (6 with minima, 8 signed)."""
+        return 16 if not self.super_block else 6 if self.float_zero else 8
 
     @property
     def zero_point_bits(self) -> int:
@@ -138,18 +172,20 @@ class WeightFormat:
         g = "pc" if self.group_size is None else f"g{self.group_size}"
         bf16 = "-bf16" if self.scale_dtype == "bfloat16" else ""
         zero = "fzp" if self.float_zero else "sym" if self.symmetric else "asym"
-        return f"int{self.bits}-{g}-{zero}{bf16}"
+        k = f"-k{self.super_block}" if self.super_block else ""
+        return f"int{self.bits}-{g}-{zero}{k}{bf16}"
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        if not self.float_zero:  # written only when set, so files of the other formats stay as they were
-            del d["float_zero"]
+        for key in ("float_zero", "super_block"):  # written only when set: files of other formats stay as they were
+            if not d[key]:
+                del d[key]
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "WeightFormat":
-        return cls(**{k: d[k] for k in ("kind", "bits", "group_size", "symmetric", "scale_dtype", "float_zero")
-                      if k in d})
+        return cls(**{k: d[k] for k in ("kind", "bits", "group_size", "symmetric", "scale_dtype", "float_zero",
+                                        "super_block") if k in d})
 
 
 @dataclass(frozen=True)
@@ -294,6 +330,7 @@ _NAME = re.compile(
     r"(?:-(?P<method>rtn|gptq-noact|gptq|awq-gptq|awq-noclip|awq))?"
     r"(?:-(?P<group>g\d+|pc))?"
     r"(?:-(?P<sym>sym|asym|fzp))?"
+    r"(?:-(?P<k>k))?"
     r"(?:-(?P<emb>emb8|emb4|embf))?"
     r"(?:-(?P<smooth>smooth))?"
     r"(?:-(?P<split>split))?"
@@ -305,6 +342,7 @@ _NAME = re.compile(
 RECIPE_NAMES: tuple[str, ...] = (
     "int8", "int8-g32",
     "int4-g32", "int4-g64", "int4-g128", "int4-g64-sym", "int4-g32-fzp", "int4-gptq-g32-fzp",
+    "int4-g32-fzp-k", "int4-gptq-g32-fzp-k",
     "int4-gptq-g32", "int4-gptq-g64", "int4-gptq-g128", "int4-gptq-g64-sym", "int4-gptq-noact-g64-sym",
     "int4-awq-g32", "int4-awq-g64", "int4-awq-g128", "int4-awq-g64-sym", "int4-awq-noclip-g32", "int4-awq-gptq-g32",
     "8da4w-g32", "8da4w-g64", "8da4w-g128", "8da4w-g32-fzp", "8da4w-g32-fzp-smooth", "8da4w-g32-fzp-split", "8da4w-g32-fzp-outliers16",
@@ -318,9 +356,12 @@ def parse_recipe(name: str) -> QuantRecipe:
     m = _NAME.match(name.strip().lower())
     if m is None:
         raise UserError(f"unknown recipe {name!r}: use one of {', '.join(RECIPE_NAMES)} "
-                        "(grammar: SCHEME[-rtn|gptq|gptq-noact|awq|awq-noclip|awq-gptq][-gN|-pc][-sym|-asym|-fzp][-emb8|-emb4|-embf][-smooth][-split][-outliersN][-rot])")
-    scheme, method, group, sym, emb, smooth, split, outliers, rot = (
-        m[k] for k in ("scheme", "method", "group", "sym", "emb", "smooth", "split", "outliers", "rot"))
+                        "(grammar: SCHEME[-rtn|gptq|gptq-noact|awq|awq-noclip|awq-gptq][-gN|-pc][-sym|-asym|-fzp][-k][-emb8|-emb4|-embf][-smooth][-split][-outliersN][-rot])")
+    scheme, method, group, sym, k_quant, emb, smooth, split, outliers, rot = (
+        m[k] for k in ("scheme", "method", "group", "sym", "k", "emb", "smooth", "split", "outliers", "rot"))
+    if k_quant and (scheme != "int4" or sym != "fzp" or group not in (None, "g32") or method == "gptq-noact"):
+        raise UserError(f"recipe {name!r}: -k (GGUF Q4_K super-blocks) takes int4[-rtn|-gptq|-awq|-awq-gptq]-g32-fzp-k: "
+                        "groups of 32 with float minima, their parameters chosen before the codes (not gptq-noact)")
     for suffix, given in (("smooth", smooth), ("split", split), (f"outliers{outliers}", outliers)):
         if given and scheme not in ("8da4w", "8da8w"):
             raise UserError(f"recipe {name!r}: -{suffix} is for int8 activations, which only 8da4w and 8da8w "
@@ -356,7 +397,8 @@ def parse_recipe(name: str) -> QuantRecipe:
         if group is None:
             group_size = 32 if scheme == "8da4w" else 64
         scales = "bfloat16" if scheme == "8da4w" else "float16"
-        weights = WeightFormat("int", 4, group_size, symmetric, scales, float_zero=sym == "fzp")
+        weights = WeightFormat("int", 4, 32 if k_quant else group_size, symmetric, scales, float_zero=sym == "fzp",
+                               super_block=SUPER_BLOCK if k_quant else None)
         # 8da4w: int8 per-row, which XNNPACK runs both as the embedding and as a tied head (qc8w).
         default_emb = WeightFormat("int", 8, None, True) if scheme == "8da4w" else _EMBEDDINGS["emb8"]
     if weights.group_size is not None and weights.group_size & (weights.group_size - 1):

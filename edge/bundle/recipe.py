@@ -22,7 +22,7 @@ from pathlib import Path
 from enum import StrEnum
 
 from edgefinfer.errors import UserError
-from edgefinfer.bundle.quant_recipe import QuantRecipe, WeightFormat, parse_recipe
+from edgefinfer.bundle.quant_recipe import SUPER_BLOCK, QuantRecipe, WeightFormat, parse_recipe
 
 
 
@@ -101,7 +101,10 @@ def source_precision(folder: str | Path, recipe: Recipe, artefact_format: str | 
     `fit_size` (a GGUF only, `build --fit-source-size`): each such matrix takes the larger of Q8_0 and
     Q5_0 that is no larger than its source type, so that the file is no larger than its source where
     the source used K-quants we do not write: Q6_K (6.56 bits a weight) -> Q5_0 (5.5), not Q8_0 (8.5);
-    an F16 or Q8_0 source -> Q8_0."""
+    an F16 or Q8_0 source -> Q8_0.
+
+    A GGUF keeps a Q6_K source matrix as Q6_K (int6-g16-sym in super-blocks of 256, written by our
+    writer since the K-quants landed), its own type and size."""
     from edgefinfer.model.gguf_import import TYPE_BITS, source_tensor_types
 
     types = source_tensor_types(folder)
@@ -113,8 +116,11 @@ def source_precision(folder: str | Path, recipe: Recipe, artefact_format: str | 
     gguf = artefact_format == "gguf"
     int8 = WeightFormat(kind="int", bits=8, group_size=32 if gguf else None, symmetric=True)
     q5_0 = WeightFormat(kind="int", bits=5, group_size=32, symmetric=True)
+    q6_k = WeightFormat(kind="int", bits=6, group_size=16, symmetric=True, super_block=SUPER_BLOCK)
 
     def kept(source_type: str) -> WeightFormat:
+        if gguf and source_type == "Q6_K":
+            return q6_k
         if gguf and (source_type == "Q5_0" or fit_size and _bits_per_weight(source_type) < _bits_per_weight("Q8_0")):
             return q5_0
         return int8
