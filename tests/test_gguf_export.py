@@ -246,11 +246,13 @@ def test_a_window_llamacpp_would_ignore_is_refused_past_it(tmp_path, tok):
 
 
 @pytest.mark.llamacpp
-def test_k_quants_of_llamacpps_q4_k_m_come_back_as_its_own_blocks(tmp_path, tok):
-    """A model converted from llama.cpp's Q4_K_M (Q4_K beside Q6_K) and built for gpu-server with
-    int4-g32-fzp-k: the Q6_K matrices stay Q6_K (the source's precision) holding the source's weights
-    exactly, the Q4_K ones are re-quantized by the recipe onto the grids llama.cpp chose (nearly every
-    block byte for byte), and llama.cpp computes the file we wrote."""
+@pytest.mark.parametrize("tied", [False, True])
+def test_k_quants_of_llamacpps_q4_k_m_come_back_as_its_own_blocks(tmp_path, tok, tied):
+    """A model converted from llama.cpp's Q4_K_M (Q4_K beside Q6_K; a 4-bit embedding and a 6-bit head,
+    or one 6-bit tied matrix) and built for gpu-server with int4-g32-fzp-k: the Q6_K matrices stay Q6_K
+    (the source's precision) holding the source's weights exactly, the Q4_K ones are re-quantized by
+    the recipe onto the grids llama.cpp chose (nearly every block byte for byte), so the file holds
+    as many tensor bytes as the source, and llama.cpp computes the file we wrote."""
     from gguf import GGMLQuantizationType as Q
     from gguf.quants import dequantize
 
@@ -258,16 +260,17 @@ def test_k_quants_of_llamacpps_q4_k_m_come_back_as_its_own_blocks(tmp_path, tok)
     from edgefinfer.model.gguf_import import convert_gguf
 
     model = tiny_model(vocab_size=tok.vocab_size, eos_token_id=None, hidden_size=256, intermediate_size=512,
-                       max_position_embeddings=256)  # every width whole super-blocks of 256
+                       max_position_embeddings=256, tie_word_embeddings=tied)  # every width whole super-blocks
     source = tmp_path / "source.gguf"
     export_gguf(model, tok, source, "q4_k_m")
     convert_gguf(source, tmp_path / "folder")
     bundle = build_mod.build(build_mod.BuildOptions(target="gpu-server", model=tmp_path / "folder",
                                                     out=tmp_path / "b", eval_tokens=0, recipe="int4-g32-fzp-k"))
-    theirs = {t.name: t for t in open_gguf(source).reader.tensors if t.name.startswith("blk.") and len(t.shape) == 2}
+    theirs = {t.name: t for t in open_gguf(source).reader.tensors if t.tensor_type != Q.F32}
     ours = {t.name: t for t in open_gguf(bundle / "model.gguf").reader.tensors}
-    types = {t.tensor_type for t in theirs.values()}
-    assert types == {Q.Q4_K, Q.Q6_K}, types
+    assert {t.tensor_type for t in theirs.values()} == {Q.Q4_K, Q.Q6_K}
+    assert ("output.weight" in theirs) != tied
+    assert sum(t.n_bytes for t in ours.values()) == sum(t.n_bytes for t in open_gguf(source).reader.tensors)
     for name, t in theirs.items():
         mine = ours[name]
         assert mine.tensor_type == t.tensor_type, name

@@ -67,10 +67,17 @@ def test_a_default_recipe_keeps_the_bits_the_source_gguf_gave_each_matrix(tmp_pa
     assert sorted(kept) == ["model.layers.0.mlp.down_proj", "model.layers.0.self_attn.q_proj"]  # 6 and 5 bits
     assert {(f.bits, f.group_size, f.symmetric) for f in kept.values()} == {(8, None, True)}
     # A GGUF keeps a Q5_0 source as Q5_0 (int5 in symmetric groups of 32), a Q6_K one as Q6_K (int6 in
-    # symmetric groups of 16, super-blocks of 256) and the rest as Q8_0.
+    # symmetric groups of 16, super-blocks of 256) and the rest as Q8_0; the embedding in its own type
+    # whatever its bits, unless the recipe keeps it float.
     kept = source_precision(tmp_path, Recipe.parse("int4-g32-fzp"), "gguf")
     assert {n: (f.bits, f.group_size, f.symmetric, f.super_block) for n, f in kept.items()} == {
-        "model.layers.0.mlp.down_proj": (6, 16, True, 256), "model.layers.0.self_attn.q_proj": (5, 32, True, None)}
+        "model.layers.0.mlp.down_proj": (6, 16, True, 256), "model.layers.0.self_attn.q_proj": (5, 32, True, None),
+        "model.embed_tokens": (8, 32, True, None)}
+    assert "model.embed_tokens" not in source_precision(tmp_path, Recipe.parse("int4-g32-fzp-embf"), "gguf")
+    types["model.embed_tokens"] = "Q4_K"  # a Q4_K_M file's 4-bit embedding stays 4-bit, not the recipe's emb8
+    (tmp_path / "source.json").write_text(json.dumps({"gguf_type": "q4_k_m", "tensor_types": types}))
+    assert source_precision(tmp_path, Recipe.parse("int4-g32-fzp"), "gguf")["model.embed_tokens"].label() == \
+        "int4-g32-fzp-k256"
     for name, folder in (("int8", tmp_path), ("llamacpp-q4_k_m", tmp_path), ("fp32", tmp_path),
                          ("int4-g32", tmp_path / "elsewhere")):
         assert source_precision(folder, Recipe.parse(name)) == {}

@@ -33,7 +33,7 @@ from edgefinfer.app.model_arg import DEFAULT_MODEL, resolve_model
 from edgefinfer.bundle.artefact import KVSpec, Layout
 from edgefinfer.bundle.manifest import BundleWriter
 from edgefinfer.errors import UserError
-from edgefinfer.bundle.recipe import LLAMACPP_PREFIX, Recipe, RecipeKind, source_precision
+from edgefinfer.bundle.recipe import LLAMACPP_PREFIX, Recipe, RecipeKind, for_model, source_precision
 from edgefinfer.bundle.targets import Target, get_target
 
 # Candidate recipes per artefact format for --quality-budget, smallest first; at one size the cheap
@@ -198,9 +198,8 @@ def _choose_recipe(source: _Source, target: Target, given: Recipe | None, opts: 
     # candidates anyway).
     keep = not opts.requantize_source and opts.quality_budget is None
     model = source.model
-    kept = source_precision(source.folder, recipe, target.format, opts.fit_source_size) if keep else {}
-    # what each gets at its width: a K-quant where its rows are whole super-blocks, else llama.cpp's fallback
-    kept = {name: fmt.for_width(model.get_submodule(name).weight.shape[1]) for name, fmt in kept.items()}
+    kept = for_model(source_precision(source.folder, recipe, target.format, opts.fit_source_size) if keep else {},
+                     model)
     if source.prequantized is not None:  # `edgefinfer quantize` already chose: export those codes as they are
         if opts.recipe or opts.quality_budget is not None:
             raise UserError(f"{source.folder} is already quantized ({source.prequantized.name}); drop "
@@ -221,8 +220,8 @@ def _choose_recipe(source: _Source, target: Target, given: Recipe | None, opts: 
             if kept:
                 bits = ", ".join(f"{sum(f.bits == b for f in kept.values())} at {b} bits"
                                  for b in sorted({f.bits for f in kept.values()}, reverse=True))
-                print(f"  {len(kept)} matrices stay above the recipe's bits ({bits}): the GGUF the weights came "
-                      "from stored them so (--requantize-source to quantize them too)", file=sys.stderr)
+                print(f"  {len(kept)} matrices keep the GGUF the weights came from's precision ({bits}) "
+                      "(--requantize-source to quantize them with the recipe)", file=sys.stderr)
             quantized = quantize_for(model, target, recipe, source.tokenizer, kept)
         candidates = iter([(recipe, quantized)])
     first, quantized = next(candidates, (None, None))

@@ -118,7 +118,7 @@ def quantize(model: str, recipe_name: str, output: Path, calib_blocks: int, cali
         recipe, extra["mixed_precision"] = _mixed(float_model, recipe, calib, mixed_budget, mixed_max_ppl, mixed_high,
                                                   mixed_unit, sensitivity_tokens, calib_len, say)
         plan_formats(qmodel, recipe)
-    elif not requantize_source and (kept := _source_precision(folder, recipe_name, artefact_format)):
+    elif not requantize_source and (kept := _source_precision(folder, recipe_name, artefact_format, qmodel)):
         per_channel = any(f.group_size is None for f in kept.values())
         say(f"{len(kept)} matrices stay at 8 bits: the GGUF the weights came from stored them with more bits than "
             "the recipe's (--requantize-source to quantize them too)" if per_channel else
@@ -144,12 +144,12 @@ def quantize(model: str, recipe_name: str, output: Path, calib_blocks: int, cali
     click.echo(f"wrote {output} ({REPORT_FILE} inside)")
 
 
-def _source_precision(folder: Path, recipe_name: str, artefact_format: str | None) -> dict:
+def _source_precision(folder: Path, recipe_name: str, artefact_format: str | None, model) -> dict:
     """`edgefinfer build`'s rule: the matrices a source GGUF stored above the recipe's bits, in formats the
-    artefact holds (per-channel int8 unless it is a GGUF)."""
-    from edgefinfer.bundle.recipe import Recipe, source_precision
+    artefact holds (per-channel int8 unless it is a GGUF), at `model`'s widths."""
+    from edgefinfer.bundle.recipe import Recipe, for_model, source_precision
 
-    return source_precision(folder, Recipe.parse(recipe_name), artefact_format)
+    return for_model(source_precision(folder, Recipe.parse(recipe_name), artefact_format), model)
 
 
 def _is_recipe(text: str) -> bool:

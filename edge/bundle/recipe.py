@@ -104,7 +104,11 @@ def source_precision(folder: str | Path, recipe: Recipe, artefact_format: str | 
     an F16 or Q8_0 source -> Q8_0.
 
     A GGUF keeps a Q6_K source matrix as Q6_K (int6-g16-sym in super-blocks of 256, written by our
-    writer since the K-quants landed), its own type and size."""
+    writer since the K-quants landed), its own type and size. It also keeps the embedding and an untied
+    head in their source types whenever our writer has them (Q8_0, Q6_K, Q5_0, Q4_K, Q4_1, Q4_0; a
+    Q4_K_M file's 4-bit embedding of a large vocabulary would double as the recipe's -emb8), unless
+    the recipe keeps them float (-embf). `for_model` then fits each to its matrix's width and gives a
+    tied head its embedding's format."""
     from edgefinfer.model.gguf_import import TYPE_BITS, source_tensor_types
 
     types = source_tensor_types(folder)
@@ -115,8 +119,7 @@ def source_precision(folder: str | Path, recipe: Recipe, artefact_format: str | 
         return {}
     gguf = artefact_format == "gguf"
     int8 = WeightFormat(kind="int", bits=8, group_size=32 if gguf else None, symmetric=True)
-    q5_0 = WeightFormat(kind="int", bits=5, group_size=32, symmetric=True)
-    q6_k = WeightFormat(kind="int", bits=6, group_size=16, symmetric=True, super_block=SUPER_BLOCK)
+    q5_0, q6_k = GGUF_TYPE_FORMATS["Q5_0"], GGUF_TYPE_FORMATS["Q6_K"]
 
     def kept(source_type: str) -> WeightFormat:
         if gguf and source_type == "Q6_K":
@@ -125,8 +128,32 @@ def source_precision(folder: str | Path, recipe: Recipe, artefact_format: str | 
             return q5_0
         return int8
 
-    return {name: kept(t) for name, t in types.items()
-            if TYPE_BITS.get(t, 0) > weights.bits and name not in ("model.embed_tokens", "lm_head")}  # those: -emb
+    formats = {name: kept(t) for name, t in types.items()
+               if TYPE_BITS.get(t, 0) > weights.bits and name not in EMBEDDING_AND_HEAD}  # those: below
+    if gguf and recipe.quant.embedding is not None:
+        formats.update({name: GGUF_TYPE_FORMATS[t] for name, t in types.items()
+                        if name in EMBEDDING_AND_HEAD and t in GGUF_TYPE_FORMATS})
+    return formats
+
+
+EMBEDDING_AND_HEAD = ("model.embed_tokens", "lm_head")
+# ggml type -> the format holding it exactly (our writer's types; `compile.quant.layouts`).
+GGUF_TYPE_FORMATS: dict[str, WeightFormat] = {
+    "Q8_0": WeightFormat("int", 8, 32, True), "Q5_0": WeightFormat("int", 5, 32, True),
+    "Q4_0": WeightFormat("int", 4, 32, True), "Q4_1": WeightFormat("int", 4, 32, False, float_zero=True),
+    "Q4_K": WeightFormat("int", 4, 32, False, float_zero=True, super_block=SUPER_BLOCK),
+    "Q6_K": WeightFormat("int", 6, 16, True, super_block=SUPER_BLOCK),
+}
+
+
+def for_model(kept: dict[str, WeightFormat], model) -> dict[str, WeightFormat]:
+    """`kept` (from `source_precision`) as `model` takes it: each format at its matrix's width
+    (`WeightFormat.for_width`: a K-quant only where the rows are whole super-blocks, else llama.cpp's
+    fallback), and a tied head in its embedding's format."""
+    fitted = {name: fmt.for_width(model.get_submodule(name).weight.shape[1]) for name, fmt in kept.items()}
+    if model.config.tie_word_embeddings and EMBEDDING_AND_HEAD[0] in fitted:
+        fitted[EMBEDDING_AND_HEAD[1]] = fitted[EMBEDDING_AND_HEAD[0]]
+    return fitted
 
 
 def _bits_per_weight(ggml_type: str) -> float:
