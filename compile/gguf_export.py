@@ -9,7 +9,8 @@ Weight types: F32, F16, BF16, Q8_0, Q4_0 written by gguf-py; K-quants (Q4_K_M, Q
 by a second pass through llama.cpp's own quantizer (`llama_model_quantize`) over an F32 file.
 A layer already quantized by `edgefinfer.compile.quant` keeps its codes: group-32 symmetric int4 is
 re-packed bit for bit into Q4_0, asymmetric int4 into Q4_1, symmetric int5 into Q5_0 (a source GGUF's
-Q5_0 matrices, which `build` keeps), symmetric int8 into Q8_0, whatever the
+Q5_0 matrices, which `build` keeps), symmetric int8 into Q8_0, and K-quant super-blocks (`-k` recipes,
+a source's Q6_K matrices) into Q4_K and Q6_K, whatever the
 requested type (so a mixed-precision model stays mixed). A quantized layer with no exact GGUF type
 (another group size, per-channel, int8 activations, fp8) is refused with the recipes that work:
 re-quantizing it would ship a file whose weights are neither ours nor llama.cpp's best. The

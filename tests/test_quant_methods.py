@@ -49,6 +49,26 @@ def test_gptq_cuts_the_layer_output_error(fmt, act_order):
     assert q.zeros.dtype == (torch.float32 if fmt.float_zero else torch.int8)
 
 
+def test_gptq_onto_k_quant_super_blocks_cuts_the_error_and_gguf_takes_them():
+    """-k: GPTQ fixes the coupled scales of a super-block up front (act-order's static groups), then
+    compensates as usual; the result is still Q4_K's layout. Without act-order it refuses."""
+    from edgefinfer.compile.quant.layouts import to_gguf_q4_k
+
+    k, n = 512, 64
+    fmt = WeightFormat("int", 4, 32, False, float_zero=True, super_block=256)
+    x_fit, x_new = correlated_inputs(2048, k, 0), correlated_inputs(1024, k, 1)
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(1))
+    H = 2 * x_fit.T @ x_fit / x_fit.shape[0]
+    q, rtn = gptq_quantize(w, H, fmt, GPTQSettings(act_order=True)), quantize_int(w, fmt)
+    err = lambda x, wq: ((x @ (w - wq).T) ** 2).mean().item()  # noqa: E731
+    assert err(x_new, dequantize_int(*q)) < 0.5 * err(x_new, dequantize_int(*rtn))
+    assert torch.equal(q.scales, rtn.scales) and q.scales.dtype == torch.float32  # the same super-blocks
+    module = QuantLinear.from_float(nn.Linear(k, n, bias=False), fmt, q)
+    assert to_gguf_q4_k(module).shape == (n, 2 * 144)
+    with pytest.raises(ValueError, match="act-order"):
+        gptq_quantize(w, H, fmt, GPTQSettings(act_order=False))
+
+
 @pytest.mark.parametrize("fmt", [WeightFormat("int", 4, 32, True), WeightFormat("int", 4, 32, False, float_zero=True)],
                          ids=lambda f: f.label())
 def test_gptq_with_identity_hessian_is_round_to_nearest(fmt):

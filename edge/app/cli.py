@@ -249,10 +249,11 @@ def targets(as_json: bool) -> None:
 @click.option("--draft", default=None, help="A draft model folder to ship for speculative decoding.")
 @click.option("--requantize-source", is_flag=True,
               help="For a model converted from a GGUF: quantize every matrix to the recipe, also those the GGUF "
-              "stored with more bits (default: those stay at 8 bits).")
+              "stored with more bits (default: those keep their precision; a GGUF target keeps their types, and "
+              "the embedding's and head's, where our writer has them).")
 @click.option("--fit-source-size", is_flag=True,
-              help="GGUF targets: keep those matrices in types no larger than the source's (Q6_K -> Q5_0 instead "
-              "of Q8_0), so that the file is no larger than its source GGUF.")
+              help="GGUF targets: keep source matrices of types our writer lacks in types no larger than the "
+              "source's (Q5_K -> Q5_0 instead of Q8_0), so that the file is no larger than its source GGUF.")
 @click.option("--threads", type=int, default=None)
 @click.option("--verbose", "-v", is_flag=True, help="Also show the libraries' own log lines and warnings.")
 def build(target: str, model: str | None, recipe: str | None, quality_budget: float | None, out: str | None,

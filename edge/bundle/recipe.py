@@ -100,7 +100,7 @@ def source_precision(folder: str | Path, recipe: Recipe, artefact_format: str | 
 
     `fit_size` (a GGUF only, `build --fit-source-size`): each such matrix takes the larger of Q8_0 and
     Q5_0 that is no larger than its source type, so that the file is no larger than its source where
-    the source used K-quants we do not write: Q6_K (6.56 bits a weight) -> Q5_0 (5.5), not Q8_0 (8.5);
+    the source used types we do not write: Q5_K (5.5 bits a weight) -> Q5_0 (5.5), not Q8_0 (8.5);
     an F16 or Q8_0 source -> Q8_0.
 
     A GGUF keeps a Q6_K source matrix as Q6_K (int6-g16-sym in super-blocks of 256, written by our
