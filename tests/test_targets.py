@@ -42,7 +42,8 @@ def test_mediatek_without_its_sdk_fails_fast_in_one_line():
     assert time.perf_counter() - t0 < 30  # generous for a loaded box; the check itself is a find_spec
 
 
-@pytest.mark.parametrize("recorded, gpu_server", [({"gguf_type": "q4_k_m"}, "llamacpp-q4_k_m"),
+@pytest.mark.parametrize("recorded, gpu_server", [({"gguf_type": "q4_k_m"}, "int4-g32-fzp-k"),
+                                                  ({"gguf_type": "q5_k_m"}, "llamacpp-q5_k_m"),
                                                   ({"gguf_type": "q4_1"}, "llamacpp-q4_1"),
                                                   ({"gguf_type": "iq2_xs"}, "llamacpp-q4_1"),  # no such recipe
                                                   ({}, "llamacpp-q4_1"), (None, "llamacpp-q4_1")])

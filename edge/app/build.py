@@ -340,15 +340,23 @@ def _perplexity_of(logits_fn, ids: list[int], window: int, prefix: list[int] = (
     return perplexity(lambda t: torch.as_tensor(logits_fn(t)), ids, window=window, stride=window, prefix=prefix).ppl
 
 
+# A source GGUF's type -> our recipe that re-emits its grids (`source_precision` keeps the rest of its types).
+OWN_GRID_RECIPES = {"q4_k_m": "int4-g32-fzp-k"}
+
+
 def default_recipe(target: Target, folder: Path) -> str:
     """The target's recipe, except that a llama.cpp build of weights converted from a GGUF keeps that
     GGUF's type: the weights already lie on its grid, so re-quantizing onto it loses almost nothing,
     while another 4-bit grid adds a second rounding (bench/results/gemma3.json, `grids`: Gemma 3 270M,
-    from Q4_K_M, and SmolLM2-135M, from Q4_1, each built both ways)."""
+    from Q4_K_M, and SmolLM2-135M, from Q4_1, each built both ways). A Q4_K_M source takes our -k
+    recipe, which finds its blocks again (`grids_16k`: the same size as llama.cpp's re-quantization, and
+    no worse); other types llama.cpp's own quantizer."""
     from edgefinfer.compile.gguf_export import LLAMA_FTYPES
     from edgefinfer.model.gguf_import import source_gguf_type
 
     grid = source_gguf_type(folder) if target.format == "gguf" else None
+    if grid in OWN_GRID_RECIPES:
+        return OWN_GRID_RECIPES[grid]
     return f"llamacpp-{grid}" if grid in LLAMA_FTYPES else target.recipe
 
 
