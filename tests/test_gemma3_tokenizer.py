@@ -246,6 +246,8 @@ def test_gemma3_tokenizer_matches_llama_cpp(gemma_gguf, gemma_tok, llama_cpp):
     assert agreement(gemma_tok, llm, GEMMA_TEXTS) == []
     assert gemma_tok.add_bos_token and gemma_tok.bos_token == "<bos>" and gemma_tok.eos_token == "<eos>"
     assert gemma_tok.vocab_size == 262144
+    # The pretrained upload carries no chat template, and `pull` gives it none: chat is refused, not faked.
+    assert gemma_tok.chat_template is None and reference.get("gemma3-270m").chat_template is None
     llm.close()
 
 

