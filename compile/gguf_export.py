@@ -10,7 +10,7 @@ by a second pass through llama.cpp's own quantizer (`llama_model_quantize`) over
 A layer already quantized by `edgefinfer.compile.quant` keeps its codes: group-32 symmetric int4 is
 re-packed bit for bit into Q4_0, asymmetric int4 into Q4_1, symmetric int5 into Q5_0 (a source GGUF's
 Q5_0 matrices, which `build` keeps), symmetric int8 into Q8_0, and K-quant super-blocks (`-k` recipes,
-a source's Q6_K matrices) into Q4_K and Q6_K, whatever the
+a source's Q5_K and Q6_K matrices) into Q4_K, Q5_K and Q6_K, whatever the
 requested type (so a mixed-precision model stays mixed). A quantized layer with no exact GGUF type
 (another group size, per-channel, int8 activations, fp8) is refused with the recipes that work:
 re-quantizing it would ship a file whose weights are neither ours nor llama.cpp's best. The
@@ -517,15 +517,15 @@ def layer_gguf_type(name: str, module) -> str:
 
 def _repack(name: str, module, permute_heads: int | None):
     """(bytes, type) of a group-32 int4 / int5 / int8 layer as Q4_0 (sym), Q4_1 (asym), Q5_0 (sym) or
-    Q8_0 (sym), or of a K-quant layer as Q4_K / Q6_K."""
+    Q8_0 (sym), or of a K-quant layer as Q4_K / Q5_K / Q6_K."""
     import gguf
 
-    from edgefinfer.compile.quant.layouts import (to_gguf_q4_0, to_gguf_q4_1, to_gguf_q4_k, to_gguf_q5_0, to_gguf_q6_k,
-                                                  to_gguf_q8_0)
+    from edgefinfer.compile.quant.layouts import (to_gguf_q4_0, to_gguf_q4_1, to_gguf_q4_k, to_gguf_q5_0, to_gguf_q5_k,
+                                                  to_gguf_q6_k, to_gguf_q8_0)
 
     qtype = layer_gguf_type(name, module)
     data = {"Q4_0": to_gguf_q4_0, "Q4_1": to_gguf_q4_1, "Q5_0": to_gguf_q5_0, "Q8_0": to_gguf_q8_0,
-            "Q4_K": to_gguf_q4_k, "Q6_K": to_gguf_q6_k}[qtype](module)  # [N, bytes per row]
+            "Q4_K": to_gguf_q4_k, "Q5_K": to_gguf_q5_k, "Q6_K": to_gguf_q6_k}[qtype](module)  # [N, bytes per row]
     if permute_heads is not None:  # rows are independent: permuting them commutes with quantization
         data = permute_qk(data, permute_heads)
     return data, gguf.GGMLQuantizationType[qtype]

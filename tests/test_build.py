@@ -255,7 +255,8 @@ def test_a_gguf_from_our_recipe_keeps_the_source_ggufs_types(tmp_path, tiny_dir,
     for gpu-server with one of our recipes. Its kept matrices go into types a GGUF holds (Q5_0 as Q5_0,
     Q6_K as Q6_K where its rows are whole super-blocks of 256, else Q8_0 as llama.cpp falls back; these
     are 128 wide), checked before the quantization; per-channel int8 had no GGUF type and failed the build
-    after it. --fit-source-size takes the largest type no larger than the source's: Q5_K as Q5_0."""
+    after it. --fit-source-size takes the largest type no larger than the source's for a type our writer
+    lacks: Q5_1 as Q5_0."""
     import shutil
 
     from edgefinfer.app import build as build_mod
@@ -263,15 +264,15 @@ def test_a_gguf_from_our_recipe_keeps_the_source_ggufs_types(tmp_path, tiny_dir,
 
     folder = tmp_path / "from-gguf"
     shutil.copytree(tiny_dir, folder)
-    types = {"model.layers.0.mlp.down_proj": "Q5_K", "model.layers.0.self_attn.q_proj": "Q5_0",
+    types = {"model.layers.0.mlp.down_proj": "Q5_1", "model.layers.0.self_attn.q_proj": "Q5_0",
              "model.layers.1.self_attn.q_proj": "Q4_K", "model.layers.1.mlp.down_proj": "Q8_0",
              "model.layers.1.mlp.up_proj": "Q6_K"}
     (folder / "source.json").write_text(json.dumps({"gguf_type": "q4_k_m", "tensor_types": types}))
     bundle = build_mod.build(build_mod.BuildOptions(target="gpu-server", model=folder, out=tmp_path / "b",
                                                     eval_tokens=0, recipe="int4-g32-fzp", fit_source_size=fit))
     written = {t.name: t.tensor_type.name for t in open_gguf(bundle / "model.gguf").reader.tensors}
-    q5_k_as = "Q5_0" if fit else "Q8_0"
-    assert (written["blk.0.attn_q.weight"], written["blk.0.ffn_down.weight"]) == ("Q5_0", q5_k_as)
+    q5_1_as = "Q5_0" if fit else "Q8_0"
+    assert (written["blk.0.attn_q.weight"], written["blk.0.ffn_down.weight"]) == ("Q5_0", q5_1_as)
     assert written["blk.1.ffn_down.weight"] == "Q8_0"  # no type of ours is smaller and holds 8 bits
     assert written["blk.1.ffn_up.weight"] == "Q8_0"  # Q6_K's fallback: 64-wide rows are no super-block
     assert written["blk.1.attn_q.weight"] == written["blk.0.attn_k.weight"] == "Q4_1"  # the recipe's

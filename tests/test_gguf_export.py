@@ -246,13 +246,14 @@ def test_a_window_llamacpp_would_ignore_is_refused_past_it(tmp_path, tok):
 
 
 @pytest.mark.llamacpp
-@pytest.mark.parametrize("tied", [False, True])
-def test_k_quants_of_llamacpps_q4_k_m_come_back_as_its_own_blocks(tmp_path, tok, tied):
+@pytest.mark.parametrize("tied, source_type", [(False, "q4_k_m"), (True, "q4_k_m"), (False, "q5_k_m")])
+def test_k_quants_of_llamacpps_q4_k_m_come_back_as_its_own_blocks(tmp_path, tok, tied, source_type):
     """A model converted from llama.cpp's Q4_K_M (Q4_K beside Q6_K; a 4-bit embedding and a 6-bit head,
     or one 6-bit tied matrix) and built for gpu-server with int4-g32-fzp-k: the Q6_K matrices stay Q6_K
     (the source's precision) holding the source's weights exactly, the Q4_K ones are re-quantized by
     the recipe onto the grids llama.cpp chose (nearly every block byte for byte), so the file holds
-    as many tensor bytes as the source, and llama.cpp computes the file we wrote."""
+    as many tensor bytes as the source, and llama.cpp computes the file we wrote. From Q5_K_M (Q5_K
+    beside Q6_K, all above the recipe's 4 bits) every matrix keeps the source's type."""
     from gguf import GGMLQuantizationType as Q
     from gguf.quants import dequantize
 
@@ -262,22 +263,22 @@ def test_k_quants_of_llamacpps_q4_k_m_come_back_as_its_own_blocks(tmp_path, tok,
     model = tiny_model(vocab_size=tok.vocab_size, eos_token_id=None, hidden_size=256, intermediate_size=512,
                        max_position_embeddings=256, tie_word_embeddings=tied)  # every width whole super-blocks
     source = tmp_path / "source.gguf"
-    export_gguf(model, tok, source, "q4_k_m")
+    export_gguf(model, tok, source, source_type)
     convert_gguf(source, tmp_path / "folder")
     bundle = build_mod.build(build_mod.BuildOptions(target="gpu-server", model=tmp_path / "folder",
                                                     out=tmp_path / "b", eval_tokens=0, recipe="int4-g32-fzp-k"))
     theirs = {t.name: t for t in open_gguf(source).reader.tensors if t.tensor_type != Q.F32}
     ours = {t.name: t for t in open_gguf(bundle / "model.gguf").reader.tensors}
-    assert {t.tensor_type for t in theirs.values()} == {Q.Q4_K, Q.Q6_K}
+    assert {t.tensor_type for t in theirs.values()} == {Q.Q4_K if source_type == "q4_k_m" else Q.Q5_K, Q.Q6_K}
     assert ("output.weight" in theirs) != tied
     assert sum(t.n_bytes for t in ours.values()) == sum(t.n_bytes for t in open_gguf(source).reader.tensors)
     for name, t in theirs.items():
         mine = ours[name]
         assert mine.tensor_type == t.tensor_type, name
         assert np.array_equal(dequantize(mine.data, Q(mine.tensor_type)), dequantize(t.data, Q(t.tensor_type))) \
-            or t.tensor_type == Q.Q4_K, name
-        if t.tensor_type == Q.Q4_K:
-            size = 144
+            or t.tensor_type in (Q.Q4_K, Q.Q5_K), name
+        if t.tensor_type in (Q.Q4_K, Q.Q5_K):
+            size = {Q.Q4_K: 144, Q.Q5_K: 176}[t.tensor_type]
             same = (np.asarray(mine.data).reshape(-1, size) == np.asarray(t.data).reshape(-1, size)).all(-1).mean()
             assert same >= 0.9, (name, same)
     # llama.cpp computes our file as faithfully as its own: its 8-bit activations (Q8_K beside K-quants)

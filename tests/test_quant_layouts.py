@@ -8,7 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from edgefinfer.compile.quant.layouts import (matmulnbits_reference, to_gguf_q4_0, to_gguf_q4_1, to_gguf_q4_k,
-                                              to_gguf_q6_k, to_gguf_q8_0, to_matmulnbits, to_torchao, torchao_model)
+                                              to_gguf_q5_k, to_gguf_q6_k, to_gguf_q8_0, to_matmulnbits, to_torchao,
+                                              torchao_model)
 from edgefinfer.compile.quant.modules import QuantLinear
 from edgefinfer.compile.quant.primitives import quantize_int
 from edgefinfer.compile.quant.recipe import WeightFormat, parse_recipe
@@ -79,21 +80,25 @@ def test_q4_0_layout_matches_gguf_quantizer_on_its_own_grid():
 
 
 Q4_K = WeightFormat("int", 4, 32, False, float_zero=True, super_block=256)
+Q5_K = WeightFormat("int", 5, 32, False, float_zero=True, super_block=256)
 Q6_K = WeightFormat("int", 6, 16, True, super_block=256)
 
 
-def test_q4_k_bytes_decode_to_our_weights():
-    """Q4_K decodes d * sc * nibble - dmin * mc per group of 32: our weights to float32 rounding (ours
+@pytest.mark.parametrize("fmt, fn, block", [(Q4_K, to_gguf_q4_k, 144), (Q5_K, to_gguf_q5_k, 176)],
+                         ids=["Q4_K", "Q5_K"])
+def test_q4_k_and_q5_k_bytes_decode_to_our_weights(fmt, fn, block):
+    """Q4_K / Q5_K decode d * sc * u - dmin * mc per group of 32: our weights to float32 rounding (ours
     compute (q - z) * scale), with 6-bit levels of two fp16 steps per 256 weights."""
     gguf = pytest.importorskip("gguf")
-    m = qlinear(Q4_K, n=64, k=512)
+    m = qlinear(fmt, n=64, k=512)
     assert m.scales.dtype == torch.float32  # d * sc: up to 17 significant bits
-    raw = to_gguf_q4_k(m)
-    assert raw.dtype == np.uint8 and raw.shape == (64, 2 * 144)
-    deq = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_K)
+    raw = fn(m)
+    assert raw.dtype == np.uint8 and raw.shape == (64, 2 * block)
+    deq = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[f"Q{fmt.bits}_K"])
     want = m.dequantized().numpy()
     assert np.abs(deq - want).max() <= 1e-6 * np.abs(want).max()
     assert m.packed_bytes() == raw.nbytes
+    assert (m.qweight.min(), m.qweight.max()) == (-(1 << (fmt.bits - 1)), (1 << (fmt.bits - 1)) - 1)  # every code
 
 
 def test_q6_k_bytes_decode_to_our_weights_bit_for_bit():

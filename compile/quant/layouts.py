@@ -129,7 +129,7 @@ GGUF_FORMATS = {"Q4_0": (4, True, "int4-g32-sym"), "Q4_1": (4, False, "int4-g32 
 
 
 # K-quant formats (`WeightFormat.super_block`) -> GGUF type.
-GGUF_K_FORMATS = {(4, 32, True): "Q4_K", (6, 16, False): "Q6_K"}  # (bits, group, float zero)
+GGUF_K_FORMATS = {(4, 32, True): "Q4_K", (5, 32, True): "Q5_K", (6, 16, False): "Q6_K"}  # (bits, group, float zero)
 
 
 def gguf_type_of(fmt, group_size: int | None) -> str | None:
@@ -240,19 +240,17 @@ def _superblock_steps(scales: np.ndarray, top: int, low: int, high: int, what: s
     return d, levels
 
 
-def to_gguf_q4_k(module: _IntStorage) -> np.ndarray:
-    """uint8 [N, K / 256 * 144]: per super-block fp16 d and dmin, the 8 groups' 6-bit scales and minima
-    packed into 12 bytes (ggml's get_scale_min_k4: groups 0-3 in the low 6 bits of bytes 0-3 / 4-7,
-    groups 4-7 as nibbles of bytes 8-11 plus the spare top 2 bits of bytes 0-7), then 128 bytes of
-    nibbles (groups 2c and 2c + 1 in the low and high nibbles of bytes 32c..32c + 31). Decodes
-    d * sc * nibble - dmin * mc; `module` holds (code - z) * d * sc, so mc = d * sc * (z + 8) / dmin."""
-    if gguf_type_of(module.fmt, module.group_size) != "Q4_K":
-        raise UserError(f"GGUF Q4_K holds int4-g32-fzp-k{QK_K}; this layer is {module.fmt.label()}: quantize "
-                        "with recipe int4-g32-fzp-k")
+def _scales_and_minima(module: _IntStorage) -> tuple[np.ndarray, np.ndarray]:
+    """(uint8 [N, S, 16]: per super-block fp16 d and dmin, then the 8 groups' 6-bit scales and minima packed
+    into 12 bytes (ggml's get_scale_min_k4: groups 0-3 in the low 6 bits of bytes 0-3 / 4-7, groups 4-7
+    as nibbles of bytes 8-11 plus the spare top 2 bits of bytes 0-7), unsigned codes [N, S, 8, 32]) of a
+    Q4_K / Q5_K layer. It holds (code - z) * d * sc, which decodes as d * sc * u - dmin * mc with u =
+    code + 2^(b-1) and mc = d * sc * (z + 2^(b-1)) / dmin."""
     N, K = module.qweight.shape
     S = K // QK_K
+    offset = 1 << (module.fmt.bits - 1)
     scales = module.scales.numpy().astype(np.float32).reshape(N, S, 8)
-    minima = (scales * (module.zeros.numpy().astype(np.float32).reshape(N, S, 8) + 8)).astype(np.float32)
+    minima = (scales * (module.zeros.numpy().astype(np.float32).reshape(N, S, 8) + offset)).astype(np.float32)
     d, sc = _superblock_steps(scales, 63, 0, 63, "scales")
     peak = minima.max(-1, keepdims=True)  # float32 products: off by rounding, so dmin is rounded to fp16
     dmin = (peak / 63).astype(np.float16).astype(np.float32)
@@ -264,10 +262,37 @@ def to_gguf_q4_k(module: _IntStorage) -> np.ndarray:
     packed[..., 0:4] = sc[..., 0:4] | ((sc[..., 4:8] >> 4) << 6)
     packed[..., 4:8] = mc[..., 0:4] | ((mc[..., 4:8] >> 4) << 6)
     packed[..., 8:12] = (sc[..., 4:8] & 0xF) | ((mc[..., 4:8] & 0xF) << 4)
-    q = (module.qweight.numpy().astype(np.int16) + 8).astype(np.uint8).reshape(N, S, 4, 2, 32)
-    qs = (q[..., 0, :] | (q[..., 1, :] << 4)).reshape(N, S, 128)
-    head = np.concatenate([_fp16_bytes(d, N, S), _fp16_bytes(dmin, N, S)], -1)
-    return np.concatenate([head, packed, qs], -1).reshape(N, S * 144)
+    head = np.concatenate([_fp16_bytes(d, N, S), _fp16_bytes(dmin, N, S), packed], -1)
+    codes = (module.qweight.numpy().astype(np.int16) + offset).astype(np.uint8).reshape(N, S, 8, 32)
+    return head, codes
+
+
+def _k_quant_check(module: _IntStorage, type_name: str) -> None:
+    if gguf_type_of(module.fmt, module.group_size) != type_name:
+        raise UserError(f"GGUF {type_name} holds int{type_name[1]}-g32-fzp-k{QK_K}; this layer is "
+                        f"{module.fmt.label()}: quantize with recipe int4-g32-fzp-k")
+
+
+def to_gguf_q4_k(module: _IntStorage) -> np.ndarray:
+    """uint8 [N, K / 256 * 144]: d, dmin and the 12 bytes of levels (`_scales_and_minima`), then 128 bytes
+    of nibbles (groups 2c and 2c + 1 in the low and high nibbles of bytes 32c..32c + 31)."""
+    _k_quant_check(module, "Q4_K")
+    head, u = _scales_and_minima(module)
+    N, S = head.shape[:2]
+    qs = (u[:, :, 0::2] | (u[:, :, 1::2] << 4)).reshape(N, S, 128)
+    return np.concatenate([head, qs], -1).reshape(N, S * 144)
+
+
+def to_gguf_q5_k(module: _IntStorage) -> np.ndarray:
+    """uint8 [N, K / 256 * 176]: d, dmin and the 12 bytes of levels, 32 bytes of fifth bits (bit g of byte
+    l: group g's element l), then Q4_K's 128 bytes of low nibbles."""
+    _k_quant_check(module, "Q5_K")
+    head, u = _scales_and_minima(module)
+    N, S = head.shape[:2]
+    low = u & 0xF
+    qs = (low[:, :, 0::2] | (low[:, :, 1::2] << 4)).reshape(N, S, 128)
+    qh = np.bitwise_or.reduce((u >> 4) << np.arange(8, dtype=np.uint8)[:, None], axis=2).astype(np.uint8)  # [N, S, 32]
+    return np.concatenate([head, qh, qs], -1).reshape(N, S * 176)
 
 
 def to_gguf_q6_k(module: _IntStorage) -> np.ndarray:

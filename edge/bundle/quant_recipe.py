@@ -72,10 +72,11 @@ SPLIT_RATIO = 8
 # -outliersN: more float channels than this would make the float part a GEMM of its own (64 float32
 # columns of a 640-wide input weigh 80% of its int4 matrix).
 MAX_OUTLIER_CHANNELS = 64
-# GGUF's K-quants as (kind, bits, group, symmetric, float zero, super-block): Q4_K (x = d * sc * q - dmin * m,
-# 6-bit sc and m per group of 32) and Q6_K (x = d * sc * q, signed 8-bit sc per group of 16).
+# GGUF's K-quants as (kind, bits, group, symmetric, float zero, super-block): Q4_K and Q5_K (x = d * sc * q -
+# dmin * m, 6-bit sc and m per group of 32) and Q6_K (x = d * sc * q, signed 8-bit sc per group of 16).
 SUPER_BLOCK = 256
-SUPER_BLOCK_FORMATS = (("int", 4, 32, False, True, SUPER_BLOCK), ("int", 6, 16, True, False, SUPER_BLOCK))
+SUPER_BLOCK_FORMATS = (("int", 4, 32, False, True, SUPER_BLOCK), ("int", 5, 32, False, True, SUPER_BLOCK),
+                       ("int", 6, 16, True, False, SUPER_BLOCK))
 
 
 @dataclass(frozen=True)
@@ -107,8 +108,8 @@ class WeightFormat:
     def __post_init__(self) -> None:
         if self.super_block is not None and (self.kind, self.bits, self.group_size, self.symmetric, self.float_zero,
                                              self.super_block) not in SUPER_BLOCK_FORMATS:
-            raise UserError(f"super-blocks of {self.super_block} exist for GGUF's K-quants only: "
-                            f"int4-g32-fzp (Q4_K) and int6-g16-sym (Q6_K) in super-blocks of {SUPER_BLOCK}")
+            raise UserError(f"super-blocks of {self.super_block} exist for GGUF's K-quants only: int4-g32-fzp "
+                            f"(Q4_K), int5-g32-fzp (Q5_K) and int6-g16-sym (Q6_K) in super-blocks of {SUPER_BLOCK}")
         if self.kind == "fp8":
             object.__setattr__(self, "bits", 8)
             object.__setattr__(self, "group_size", None)
@@ -138,11 +139,12 @@ class WeightFormat:
 
     def for_width(self, in_features: int) -> "WeightFormat":
         """The format a matrix `in_features` wide takes: without super-blocks where they do not divide
-        it (llama.cpp falls back likewise: Gemma 3's 640-wide rows): Q4_K's groups as Q4_1, Q6_K as Q8_0."""
+        it (llama.cpp falls back likewise: Gemma 3's 640-wide rows): Q4_K's groups as Q4_1, Q5_K and Q6_K
+        as Q8_0."""
         if self.super_block and in_features % self.super_block:
-            if self.symmetric:  # Q6_K -> Q8_0, llama.cpp's own fallback
-                return WeightFormat("int", 8, 32, True)
-            return dataclasses.replace(self, super_block=None)  # Q4_K -> Q4_1: the same groups and minima
+            if self.bits == 4:  # Q4_K -> Q4_1: the same groups and minima
+                return dataclasses.replace(self, super_block=None)
+            return WeightFormat("int", 8, 32, True)  # Q5_K, Q6_K -> Q8_0 (llama.cpp: Q5_1, Q8_0; no Q5_1 here)
         return self
 
     def bits_per_weight(self, in_features: int) -> float:

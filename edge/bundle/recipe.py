@@ -100,12 +100,12 @@ def source_precision(folder: str | Path, recipe: Recipe, artefact_format: str | 
 
     `fit_size` (a GGUF only, `build --fit-source-size`): each such matrix takes the larger of Q8_0 and
     Q5_0 that is no larger than its source type, so that the file is no larger than its source where
-    the source used types we do not write: Q5_K (5.5 bits a weight) -> Q5_0 (5.5), not Q8_0 (8.5);
+    the source used types we do not write: Q5_1 (6.0 bits a weight) -> Q5_0 (5.5), not Q8_0 (8.5);
     an F16 or Q8_0 source -> Q8_0.
 
-    A GGUF keeps a Q6_K source matrix as Q6_K (int6-g16-sym in super-blocks of 256, written by our
-    writer since the K-quants landed), its own type and size. It also keeps the embedding and an untied
-    head in their source types whenever our writer has them (Q8_0, Q6_K, Q5_0, Q4_K, Q4_1, Q4_0; a
+    A GGUF keeps a Q5_K or Q6_K source matrix as Q5_K / Q6_K (int5-g32-fzp / int6-g16-sym in
+    super-blocks of 256, written by our writer since the K-quants landed), its own type and size. It also keeps the embedding and an untied
+    head in their source types whenever our writer has them (Q8_0, Q6_K, Q5_K, Q5_0, Q4_K, Q4_1, Q4_0; a
     Q4_K_M file's 4-bit embedding of a large vocabulary would double as the recipe's -emb8), unless
     the recipe keeps them float (-embf). `for_model` then fits each to its matrix's width and gives a
     tied head its embedding's format."""
@@ -119,11 +119,11 @@ def source_precision(folder: str | Path, recipe: Recipe, artefact_format: str | 
         return {}
     gguf = artefact_format == "gguf"
     int8 = WeightFormat(kind="int", bits=8, group_size=32 if gguf else None, symmetric=True)
-    q5_0, q6_k = GGUF_TYPE_FORMATS["Q5_0"], GGUF_TYPE_FORMATS["Q6_K"]
+    q5_0 = GGUF_TYPE_FORMATS["Q5_0"]
 
     def kept(source_type: str) -> WeightFormat:
-        if gguf and source_type == "Q6_K":
-            return q6_k
+        if gguf and source_type in ("Q5_K", "Q6_K"):  # our writer has them: the source's own type
+            return GGUF_TYPE_FORMATS[source_type]
         if gguf and (source_type == "Q5_0" or fit_size and _bits_per_weight(source_type) < _bits_per_weight("Q8_0")):
             return q5_0
         return int8
@@ -142,6 +142,7 @@ GGUF_TYPE_FORMATS: dict[str, WeightFormat] = {
     "Q8_0": WeightFormat("int", 8, 32, True), "Q5_0": WeightFormat("int", 5, 32, True),
     "Q4_0": WeightFormat("int", 4, 32, True), "Q4_1": WeightFormat("int", 4, 32, False, float_zero=True),
     "Q4_K": WeightFormat("int", 4, 32, False, float_zero=True, super_block=SUPER_BLOCK),
+    "Q5_K": WeightFormat("int", 5, 32, False, float_zero=True, super_block=SUPER_BLOCK),
     "Q6_K": WeightFormat("int", 6, 16, True, super_block=SUPER_BLOCK),
 }
 
