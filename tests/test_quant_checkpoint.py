@@ -80,3 +80,25 @@ def test_mismatched_tensors_are_refused(tmp_path):
     cfg_file.write_text(json.dumps(cfg))
     with pytest.raises(UserError, match="do not match its quantization_config"):
         load_quantized(tmp_path / "q")
+
+
+def test_k_quant_checkpoints_keep_their_float32_scales_and_super_blocks(tmp_path):
+    """-k super-blocks store d * level as float32 scales: a checkpoint reloads them bit for bit, with the
+    formats (a Q6_K tied embedding, as a Q4_K_M source keeps one) that the GGUF writer reads."""
+    from edgefinfer.compile.quant.layouts import to_gguf_q4_k, to_gguf_q6_k
+
+    model = tiny_model(hidden_size=256, intermediate_size=512, tie_word_embeddings=True)
+    q6_k = WeightFormat("int", 6, 16, True, super_block=256)
+    recipe = parse_recipe("int4-gptq-g32-fzp-k").with_overrides({"model.embed_tokens": q6_k, "lm_head": q6_k})
+    quantize_model(model, recipe, torch.randint(0, 97, (2, 32)))
+    save_quantized(model, recipe, tmp_path / "q")
+    loaded, loaded_recipe = load_quantized(tmp_path / "q")
+    assert loaded_recipe == recipe
+    want, got = model.state_dict(), loaded.state_dict()
+    for key in want:
+        assert want[key].dtype == got[key].dtype and torch.equal(want[key], got[key]), key
+    down = loaded.get_submodule("model.layers.0.mlp.down_proj")
+    assert down.scales.dtype == torch.float32 and down.fmt.super_block == 256
+    assert (to_gguf_q4_k(down) == to_gguf_q4_k(model.get_submodule("model.layers.0.mlp.down_proj"))).all()
+    assert to_gguf_q6_k(loaded.model.embed_tokens).shape == (97, 210)
+    assert loaded.lm_head.qweight is loaded.model.embed_tokens.qweight
