@@ -170,3 +170,28 @@ def test_a_checkpoint_for_a_gguf_keeps_the_sources_matrices_in_gguf_types(run, c
 def test_an_unknown_target_fails_before_any_work(run, capsys, tiny_dir, tmp_path):
     code, out = run(capsys, str(tiny_dir), "-r", "int4-g32", "-o", str(tmp_path / "q"), "--target", "toaster")
     assert code == 2 and "toaster" in out and not (tmp_path / "q").exists()
+
+
+def test_a_k_quant_checkpoint_builds_for_a_gguf_and_is_refused_elsewhere(run, capsys, tiny_dir, tmp_path):
+    """-k: only rows that are whole super-blocks (the 256-wide down projections) become Q4_K, the rest
+    Q4_1's groups, each with its GGUF type; for another target the build refuses such a checkpoint in
+    one line (its float32 super-block scales are GGUF's layout) before writing anything. (The GGUF
+    build itself: tests/test_gguf_export.py, with a tokenizer GGUF takes.)"""
+    from edgefinfer.app.build import BuildOptions, build
+    from edgefinfer.compile.gguf_export import quantized_gguf_types
+
+    import shutil
+
+    wide = tmp_path / "wide"
+    save_model(tiny_model(intermediate_size=256), wide)  # 256-wide MLP inputs, the same tokenizer
+    shutil.copy(tiny_dir / "tokenizer.json", wide / "tokenizer.json")
+    code, out = run(capsys, str(wide), "-r", "int4-g32-fzp-k", "-o", str(tmp_path / "q"), "--eval-tokens", "0")
+    assert code == 0, out
+    bits = json.loads((tmp_path / "q" / REPORT_FILE).read_text())["per_layer_bits"]
+    assert (bits["model.layers.0.mlp.down_proj"], bits["model.layers.0.mlp.up_proj"]) == ("int4-g32-fzp-k256",
+                                                                                          "int4-g32-fzp")
+    types = quantized_gguf_types(load_quantized(tmp_path / "q")[0])  # what a gpu-server build writes
+    assert (types["model.layers.0.mlp.down_proj"], types["model.layers.0.mlp.up_proj"]) == ("Q4_K", "Q4_1")
+    with pytest.raises(UserError, match=r"down_proj holds K-quant super-blocks.*re-quantize it without -k") as e:
+        build(BuildOptions(target="linux-x86_64", model=tmp_path / "q", out=tmp_path / "onnx", eval_tokens=0))
+    assert "\n" not in str(e.value) and not (tmp_path / "onnx").exists()

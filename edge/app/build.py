@@ -208,6 +208,10 @@ def _choose_recipe(source: _Source, target: Target, given: Recipe | None, opts: 
         done = log.step(3, N_STEPS, f"use the checkpoint's quantization ({recipe.name})")
         if target.format == "gguf":
             _check_checkpoint_for_gguf(model, recipe, target)
+        elif name := next((n for n, m in model.named_modules() if getattr(getattr(m, "fmt", None), "super_block", None)),
+                          None):
+            raise UserError(f"{source.folder}: {name} holds K-quant super-blocks, GGUF's (target gpu-server); "
+                            f"for {target.name} re-quantize it without -k")
         quantized = model
     tried: list[Candidate] = []
     if opts.quality_budget is not None:
