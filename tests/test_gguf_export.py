@@ -280,7 +280,7 @@ def test_k_quants_of_llamacpps_q4_k_m_come_back_as_its_own_blocks(tmp_path, tok,
         if t.tensor_type in (Q.Q4_K, Q.Q5_K):
             size = {Q.Q4_K: 144, Q.Q5_K: 176}[t.tensor_type]
             same = (np.asarray(mine.data).reshape(-1, size) == np.asarray(t.data).reshape(-1, size)).all(-1).mean()
-            assert same >= 0.9, (name, same)
+            assert same >= 0.99, (name, same)
     # llama.cpp computes our file as faithfully as its own: its 8-bit activations (Q8_K beside K-quants)
     # move its logits off eager torch on the same weights about as much on both files.
     ids = tok.encode(PROMPT)

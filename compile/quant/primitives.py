@@ -270,8 +270,10 @@ def superblock_qparams(groups: Tensor, fmt: WeightFormat) -> tuple[Tensor, Tenso
         step = torch.where(above, w.amax(-1) / (qmax - qmin), step).clamp(min=SCALE_MIN)
         d, sc = _levels(step.reshape(N, -1, per), 63, low=1)  # [N, S, 1], [N, S, per]
         dmin, mc = _levels((-bottom).clamp(min=0).reshape(N, -1, per), 63, low=0)
-        scale, minimum = (d * sc).reshape(N, G), (dmin * mc).reshape(N, G)  # both exact in float32
-        return scale, qmin + minimum / scale
+        scale = (d * sc).reshape(N, G)  # exact in float32
+        mc = _nearest_lattice_minimum(w, scale, bottom, dmin.expand(-1, -1, per).reshape(N, G), mc.reshape(N, G),
+                                      qmax - qmin)
+        return scale, qmin + dmin.expand(-1, -1, per).reshape(N, G) * mc / scale
     # Q6_K: x = d * sc * q, q in -32..31, sc in -128..127: the largest magnitude of a group on -32, or
     # the finest step that holds the group exactly (a group read from a Q6_K file)
     S = symmetric_group_steps(w, qmin, qmax).reshape(N, -1, per)
@@ -298,6 +300,27 @@ def symmetric_group_steps(w: Tensor, qmin: int, qmax: int) -> Tensor:
         fits = fits & (top.squeeze(-1) != 0) & torch.isinf(best)
         best = torch.where(fits, step.squeeze(-1), best)
     return torch.where(torch.isinf(best), fallback, best)
+
+
+def _nearest_lattice_minimum(w: Tensor, scale: Tensor, bottom: Tensor, dmin: Tensor, mc: Tensor,
+                             levels: int) -> Tensor:
+    """Minimum levels [N, G] of K-quant groups `w` [N, G, g]: the grids bottom - k * scale (k >= 0 steps
+    lower) are one lattice, so among those that still hold the group take the one whose bottom a
+    level of `dmin` lands nearest. A group whose lowest weight is not on code 0 (a Q4_K block that
+    does not reach it) gets the source's minimum back. The super-block's level-63 groups stay put
+    (the writer recovers dmin from them)."""
+    k = torch.arange(levels + 1, dtype=w.dtype)  # [K]
+    target = bottom[..., None] - k * scale[..., None]  # [N, G, K]
+    safe = torch.where(dmin > 0, dmin, torch.ones_like(dmin))[..., None]
+    levels_k = torch.round(-target / safe).clamp(0, 63)
+    grid = -levels_k * dmin[..., None]
+    lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)  # [N, G, 1]
+    half = 0.5 * scale[..., None]
+    holds = (grid <= lo + half) & (grid + levels * scale[..., None] >= hi - half)
+    miss = torch.where(holds, (grid - target).abs(), torch.full_like(grid, float("inf")))
+    miss[..., 0] = torch.where(holds[..., 0], miss[..., 0], torch.zeros_like(miss[..., 0]))  # k = 0 always allowed
+    best = levels_k.gather(-1, miss.argmin(-1, keepdim=True)).squeeze(-1)
+    return torch.where((mc == 63) | (dmin == 0), mc, best)
 
 
 def _levels(values: Tensor, top: int, low: int) -> tuple[Tensor, Tensor]:
