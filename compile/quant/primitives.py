@@ -305,21 +305,19 @@ def symmetric_group_steps(w: Tensor, qmin: int, qmax: int) -> Tensor:
 def _nearest_lattice_minimum(w: Tensor, scale: Tensor, bottom: Tensor, dmin: Tensor, mc: Tensor,
                              levels: int) -> Tensor:
     """Minimum levels [N, G] of K-quant groups `w` [N, G, g]: the grids bottom - k * scale (k >= 0 steps
-    lower) are one lattice, so among those that still hold the group take the one whose bottom a
-    level of `dmin` lands nearest. A group whose lowest weight is not on code 0 (a Q4_K block that
-    does not reach it) gets the source's minimum back. The super-block's level-63 groups stay put
-    (the writer recovers dmin from them)."""
+    lower) are one lattice, each with its minimum rounded to a level of `dmin`; each group takes the
+    one with the least squared error over its weights (k = 0 on a tie). A group that never reached
+    code 0 (a Q4_K block) thereby gets its source's minimum back, and other weights lose nothing. The
+    super-block's level-63 groups stay put (the writer recovers dmin from them)."""
     k = torch.arange(levels + 1, dtype=w.dtype)  # [K]
-    target = bottom[..., None] - k * scale[..., None]  # [N, G, K]
     safe = torch.where(dmin > 0, dmin, torch.ones_like(dmin))[..., None]
-    levels_k = torch.round(-target / safe).clamp(0, 63)
-    grid = -levels_k * dmin[..., None]
-    lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)  # [N, G, 1]
-    half = 0.5 * scale[..., None]
-    holds = (grid <= lo + half) & (grid + levels * scale[..., None] >= hi - half)
-    miss = torch.where(holds, (grid - target).abs(), torch.full_like(grid, float("inf")))
-    miss[..., 0] = torch.where(holds[..., 0], miss[..., 0], torch.zeros_like(miss[..., 0]))  # k = 0 always allowed
-    best = levels_k.gather(-1, miss.argmin(-1, keepdim=True)).squeeze(-1)
+    levels_k = torch.round((k * scale[..., None] - bottom[..., None]) / safe).clamp(0, 63)  # [N, G, K]
+    grid = (-levels_k * dmin[..., None])[..., None]  # [N, G, K, 1]
+    s = scale[..., None, None]
+    codes = torch.round((w[..., None, :] - grid) / s).clamp(0, levels)  # [N, G, K, g]
+    error = (codes * s + grid - w[..., None, :]).square().sum(-1)  # [N, G, K]
+    error = error + torch.where(k == 0, 0.0, 1e-9 * error[..., :1])  # ties: the plain grid
+    best = levels_k.gather(-1, error.argmin(-1, keepdim=True)).squeeze(-1)
     return torch.where((mc == 63) | (dmin == 0), mc, best)
 
 
