@@ -218,7 +218,7 @@ def to_gguf_q8_0(module: _IntStorage) -> np.ndarray:
     return np.concatenate([_fp16_bytes(module.scales.numpy(), N, nb), qs], -1).reshape(N, nb * 34)
 
 
-# ---- GGUF Q4_K / Q6_K (K-quant super-blocks of 256) -------------------------------------------------
+# ---- GGUF Q4_K / Q5_K / Q6_K (K-quant super-blocks of 256) ---------------------------------------------
 
 QK_K = 256
 
@@ -269,8 +269,10 @@ def _scales_and_minima(module: _IntStorage) -> tuple[np.ndarray, np.ndarray]:
 
 def _k_quant_check(module: _IntStorage, type_name: str) -> None:
     if gguf_type_of(module.fmt, module.group_size) != type_name:
-        raise UserError(f"GGUF {type_name} holds int{type_name[1]}-g32-fzp-k{QK_K}; this layer is "
-                        f"{module.fmt.label()}: quantize with recipe int4-g32-fzp-k")
+        bits, group, float_zero = next(key for key, name in GGUF_K_FORMATS.items() if name == type_name)
+        holds = f"int{bits}-g{group}-{'fzp' if float_zero else 'sym'}-k{QK_K}"
+        raise UserError(f"GGUF {type_name} holds {holds}; this layer is {module.fmt.label()}"
+                        + (": quantize with recipe int4-g32-fzp-k" if type_name == "Q4_K" else ""))
 
 
 def to_gguf_q4_k(module: _IntStorage) -> np.ndarray:
@@ -300,8 +302,7 @@ def to_gguf_q6_k(module: _IntStorage) -> np.ndarray:
     signed 8-bit group scales, fp16 d; decodes d * sc * (u - 32). ggml's order: each half of 128 values
     holds four runs of 32 (l, l + 32, l + 64, l + 96): low nibbles of runs 0 / 1 in bytes l / l + 32 and
     of runs 2 / 3 in their high nibbles, the high bits of all four in byte l of qh at shifts 0, 2, 4, 6."""
-    if gguf_type_of(module.fmt, module.group_size) != "Q6_K":
-        raise UserError(f"GGUF Q6_K holds int6-g16-sym-k{QK_K}; this layer is {module.fmt.label()}")
+    _k_quant_check(module, "Q6_K")
     N, K = module.qweight.shape
     S = K // QK_K
     d, sc = _superblock_steps(module.scales.numpy().astype(np.float32).reshape(N, S, 16), -128, -128, 127, "scales")

@@ -36,13 +36,14 @@ Conventions (shared by every method and every exporter, see docs/QUANTIZATION.md
   such a grid is kept: a checkpoint from Q4_1, and from Q4_K blocks, whose codes seldom reach both ends
   (Gemma 3 270M: +4.0% -> +0.6% perplexity on the bible text, bench/results/gemma3.json `fzp_search`).
 
-* K-quant super-blocks (`WeightFormat.super_block`, GGUF's Q4_K and Q6_K, `superblock_qparams`): each
-  group's scale is first chosen as above (Q4_K: the least-squares grid with its bottom at or below zero,
-  as llama.cpp's make_qkx2_quants clamps it; Q6_K: signed, the group's largest magnitude on code -32),
-  then the scales of a super-block become integer levels of one fp16 step d: 6-bit 1..63 with the
-  largest group on 63 (Q4_K; its minima likewise 0..63 of an fp16 dmin), signed 8-bit with the largest
-  on -128 (Q6_K), as llama.cpp's quantize_row_q4_K / q6_K choose them, and the codes are chosen under
-  these scales. d * level has up to 17 significant bits, so these scales are stored as float32
+* K-quant super-blocks (`WeightFormat.super_block`, GGUF's Q4_K, Q5_K and Q6_K, `superblock_qparams`):
+  each group's scale is first chosen as above (Q4_K / Q5_K: the least-squares grid with its bottom at or
+  below zero, as llama.cpp's make_qkx2_quants clamps it; Q6_K: signed, the group's largest magnitude on
+  code -32, or the finest step holding the group exactly), then the scales of a super-block become
+  integer levels of one fp16 step d: 6-bit 1..63 with the largest group on 63 (Q4_K / Q5_K; their minima
+  likewise 0..63 of an fp16 dmin, each group's at the lattice shift with the least squared error,
+  `_nearest_lattice_minimum`), signed 8-bit with the largest on -128 (Q6_K), as llama.cpp's
+  quantize_row_q4_K / q6_K choose them, and the codes are chosen under these scales. d * level has up to 17 significant bits, so these scales are stored as float32
   (`scale_storage_dtype`); the writer recovers d as the largest scale / 63 (/ -128) exactly.
 
 Every rounding error is therefore at most scale / 2 (plus the fp16 rounding of the scale itself).
@@ -270,10 +271,9 @@ def superblock_qparams(groups: Tensor, fmt: WeightFormat) -> tuple[Tensor, Tenso
         step = torch.where(above, w.amax(-1) / (qmax - qmin), step).clamp(min=SCALE_MIN)
         d, sc = _levels(step.reshape(N, -1, per), 63, low=1)  # [N, S, 1], [N, S, per]
         dmin, mc = _levels((-bottom).clamp(min=0).reshape(N, -1, per), 63, low=0)
-        scale = (d * sc).reshape(N, G)  # exact in float32
-        mc = _nearest_lattice_minimum(w, scale, bottom, dmin.expand(-1, -1, per).reshape(N, G), mc.reshape(N, G),
-                                      qmax - qmin)
-        return scale, qmin + dmin.expand(-1, -1, per).reshape(N, G) * mc / scale
+        scale, dmin = (d * sc).reshape(N, G), dmin.expand(-1, -1, per).reshape(N, G)  # scale exact in float32
+        mc = _nearest_lattice_minimum(w, scale, bottom, dmin, mc.reshape(N, G), qmax - qmin)
+        return scale, qmin + dmin * mc / scale
     # Q6_K: x = d * sc * q, q in -32..31, sc in -128..127: the largest magnitude of a group on -32, or
     # the finest step that holds the group exactly (a group read from a Q6_K file)
     S = symmetric_group_steps(w, qmin, qmax).reshape(N, -1, per)
