@@ -118,15 +118,15 @@ def source_precision(folder: str | Path, recipe: Recipe, artefact_format: str | 
     if weights.kind != "int":
         return {}
     gguf = artefact_format == "gguf"
-    int8 = WeightFormat(kind="int", bits=8, group_size=32 if gguf else None, symmetric=True)
-    q5_0 = GGUF_TYPE_FORMATS["Q5_0"]
 
     def kept(source_type: str) -> WeightFormat:
-        if gguf and source_type in ("Q5_K", "Q6_K"):  # our writer has them: the source's own type
+        if not gguf:  # what both the XNNPACK and the MatMulNBits exports take beside 4-bit layers
+            return WeightFormat(kind="int", bits=8, group_size=None, symmetric=True)
+        if source_type in GGUF_TYPE_FORMATS:  # our writer has it: the source's own type
             return GGUF_TYPE_FORMATS[source_type]
-        if gguf and (source_type == "Q5_0" or fit_size and _bits_per_weight(source_type) < _bits_per_weight("Q8_0")):
-            return q5_0
-        return int8
+        if fit_size and _bits_per_weight(source_type) < _bits_per_weight("Q8_0"):
+            return GGUF_TYPE_FORMATS["Q5_0"]
+        return GGUF_TYPE_FORMATS["Q8_0"]
 
     formats = {name: kept(t) for name, t in types.items()
                if TYPE_BITS.get(t, 0) > weights.bits and name not in EMBEDDING_AND_HEAD}  # those: below
