@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -26,23 +27,18 @@ from common import machine, print_table, versions, write_results  # noqa: E402
 from runtime import measure  # noqa: E402
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--bundle", default="dist/android")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--name", help="results file stem (default android_speed[-Nthreads])")
-    args = ap.parse_args()
-    from edgefinfer.model import reference
+def peer_and_prompt(bundle: Path) -> tuple[Path, str, Path, Path]:
+    """The bundle's .pte and recipe (built with `edgefinfer build --target android` if missing: a
+    program-cache hit when it was built before), onnxruntime-genai's int4 build of the same model, and
+    the 128-token prompt file both engines are given."""
     from edgefinfer.bundle.manifest import load_manifest
-    from edgefinfer.files.user_cache import cache_dir
     from edgefinfer.data.corpora import load_text
+    from edgefinfer.files.user_cache import cache_dir
+    from edgefinfer.model import reference
     from edgefinfer.tokenization.tokenizer import Tokenizer
     from onnx_vs_genai import genai_int4
 
     folder = reference.pull("smollm2-135m")
-    bundle = Path(args.bundle)
     if not (bundle / "manifest.json").is_file():
         subprocess.run([sys.executable, "-m", "edgefinfer", "build", "--target", "android", "-o", str(bundle)],
                        check=True)
@@ -53,6 +49,19 @@ def main() -> None:
     prompt_file = work / "prompt-android-speed.json"
     prompt_file.parent.mkdir(parents=True, exist_ok=True)
     prompt_file.write_text(json.dumps(Tokenizer.from_dir(folder).encode(load_text("test"))[:128]))
+    return pte, recipe, genai, prompt_file
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--bundle", default="dist/android")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--name", help="results file stem (default android_speed[-Nthreads])")
+    args = ap.parse_args()
+    host = machine()
+    pte, recipe, genai, prompt_file = peer_and_prompt(Path(args.bundle))
 
     rounds = []
     for i in range(args.rounds):
@@ -72,7 +81,8 @@ def main() -> None:
     name = args.name or ("android_speed" if args.threads == 1 else f"android_speed-{args.threads}threads")
     path = write_results(name, {"command": " ".join(["python", "bench/android_speed.py", *sys.argv[1:]]), **summary, "rounds": rounds, "threads": args.threads,
                                            "prompt_tokens": 128, "decode_tokens": args.tokens,
-                                           "machine": machine(),
+                                           "machine": host,  # its load_avg_at_start: before the rounds
+                                           "load_avg_end": [round(x, 2) for x in os.getloadavg()],
                                            "versions": versions("executorch", "onnxruntime-genai")})
     print(f"wrote {path}")
 
