@@ -95,6 +95,12 @@ def check_import(model, tok, gguf: Path, tmp: Path) -> dict:
     llm = llama(f32)
     ref = llama_logits(llm, ids)
     llm.close()
+    # llama.cpp against itself on another of its own kernel paths: the distance the 1e-3 goal sits under
+    variants = {}
+    for name, kw in (("flash_attn", dict(flash_attn=True)), ("ubatch_8", dict(n_batch=8, n_ubatch=8))):
+        llm = llama(f32, **kw)
+        variants[name] = float(np.abs(llama_logits(llm, ids) - ref).max())
+        llm.close()
     f32.unlink()
     llm = llama(gguf)
     q = llama_logits(llm, ids)
@@ -102,10 +108,13 @@ def check_import(model, tok, gguf: Path, tmp: Path) -> dict:
     # ggml's CPU GELU reads a table of fp16 values at fp16-rounded inputs (GGML_GELU_FP16, ggml-cpu/vec.h,
     # also in its fused GeGLU): the same model with that activation shows how much of the gap is this one
     # op. Traced per layer (llama.cpp's eval callback against our hooks, on the F32 file, flash attention
-    # off): layer 0's attention output agrees to 1e-6 relative, its MLP output to 2e-4 (the table); the
-    # residual stream grows to ~6e4 by layer 17, carrying that difference to ~0.04 on the logits, while our
-    # float32 stays within 1e-4 of float64 (`max_abs_err_vs_float64`). llama.cpp's arithmetic, not the
-    # import, sets the 1e-3 goal's distance.
+    # off): layer 0's attention output agrees to 1e-6 relative, its MLP output to 2e-4 (the table); with
+    # the table modelled, to 9e-6, because a float32-level difference in a gate's input (any other order
+    # of summation) still moves it across an fp16 rounding boundary now and then, a jump of 5e-4 in that
+    # element; the residual stream grows to ~1e5 by layer 15 and carries those jumps to ~0.03 on the
+    # logits. llama.cpp itself moves as far under another of its own kernel paths (`llamacpp_f32_self`:
+    # flash attention on), while our float32 stays within 1e-4 of float64 (`max_abs_err_vs_float64`).
+    # llama.cpp's arithmetic, not the import, sets the 1e-3 goal's distance.
     acts = {m: m.act for m in model.modules() if getattr(m, "act_name", None) == "gelu_pytorch_tanh"}
     for m in acts:
         m.act = lambda x: torch.nn.functional.gelu(x.half().float(), approximate="tanh").half().float()
@@ -120,6 +129,7 @@ def check_import(model, tok, gguf: Path, tmp: Path) -> dict:
             "mean_abs_err_vs_llamacpp_f32": float(np.abs(ours - ref).mean()),
             "top1_agree_vs_llamacpp_f32": float((ours.argmax(-1) == ref.argmax(-1)).mean()),
             "max_abs_err_vs_llamacpp_f32_with_its_fp16_gelu_table": float(np.abs(tabled - ref).max()),
+            "llamacpp_f32_self_max_abs_diff": variants,
             "mean_abs_err_vs_llamacpp_q4_k_m": float(np.abs(ours - q).mean()),
             "top1_agree_vs_llamacpp_q4_k_m": float((ours.argmax(-1) == q.argmax(-1)).mean())}
 
