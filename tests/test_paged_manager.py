@@ -331,32 +331,45 @@ def test_per_sequence_storage_hits_only_live_computed_holders(hash_fn):
 
 @hash_fns
 def test_retained_prefix_outlives_its_sequence_until_evicted(hash_fn):
-    """A per-sequence storage keeps a freed sequence's cached prefix (vLLM's prefix cache, for
-    llama.cpp): a later prompt hits it, a redundant one is not kept twice, eviction cuts it tail first."""
+    """A per-sequence storage keeps a freed sequence's computed tokens (vLLM's prefix cache, for
+    llama.cpp, to the token as llama-server's slots): a later prompt hits them, its partial last block
+    included, a redundant one is not kept twice, eviction cuts them tail first."""
     d = Driver(8, hash_fn, per_sequence_storage=True, retain_prefixes=2)
     m, st = d.m, d.storage
     d.allocate(0, P + [8])  # blocks 0, 1 full, block 2 partial
     m.mark_computed(0)
     ev = d.free(0)
     rid = ev.retained_as
-    assert (ev.retained_tokens, m.retained()) == (8, {rid: (0, 1)})
-    assert st.tokens_of(m, rid) == P and len(st.cells) == 8  # the partial block's cell is gone
-    assert m.pool.free_block_ids() == [2, 3, 4, 5, 6, 7, 1, 0] and m.stats().num_cached == 2
+    assert (ev.retained_tokens, m.retained()) == (9, {rid: (0, 1, 2)})
+    assert st.tokens_of(m, rid) == P + [8] and len(st.cells) == 9  # the partial block's cell stays too
+    assert m.pool.free_block_ids() == [3, 4, 5, 6, 7, 2, 1, 0] and m.stats().num_cached == 3
 
-    hit = d.allocate(1, P + [9, 10])
-    assert (hit.num_cached_tokens, hit.prefix_source, hit.block_ids) == (8, rid, (0, 1, 2))
-    assert st.tokens_of(m, 1) == P + [9, 10] and len(st.cells) == 10  # the prefix is stored once
+    # The partial block serves the next prompt to the token: only its own last token is computed.
+    hit = d.allocate(1, P + [8, 9])
+    assert (hit.num_cached_tokens, hit.prefix_source, hit.block_ids, hit.slot_mapping) == (9, rid, (0, 1, 3), (13,))
+    assert st.tokens_of(m, 1) == P + [8, 9] and len(st.cells) == 10  # the prefix is stored once
     m.mark_computed(1)
-    assert d.free(1).retained_as is None  # what it would keep, rid already holds
-    assert m.retained() == {rid: (0, 1)}
+    rid1 = d.free(1).retained_as  # its tail differs: kept beside rid, over the same two blocks
+    assert m.retained() == {rid: (0, 1, 2), rid1: (0, 1, 3)} and len(st.cells) == 10
 
-    # Six fresh blocks take the empty ones; the next two evict rid's blocks, its tail block first.
-    d.allocate(2, list(range(100, 124)))
-    plan = d.allocate(3, [50, 51, 52, 53, 54, 55, 56, 57])
-    assert plan.evicted_block_ids == (1, 0)
-    assert [(type(op).__name__, op.seq_id) for op in plan.retained_ops] == [("TruncateEvent", rid), ("FreeEvent", rid)]
-    assert plan.retained_ops[0].num_tokens == 4
-    assert m.retained() == {} and st.tokens_of(m, rid) == [] and len(st.cells) == 32
+    # The same prompt as sequence 0: its last token is computed again (the logits of the next one);
+    # what it would keep, rid holds already.
+    again = d.allocate(2, P + [8])
+    assert (again.num_cached_tokens, again.block_ids) == (8, (0, 1, 4))
+    m.mark_computed(2)
+    assert d.free(2).retained_as is None
+    assert m.retained() == {rid: (0, 1, 2), rid1: (0, 1, 3)}
+
+    # Four fresh blocks take the empty ones; the next two evict the tails first (rid1's, then rid's):
+    # rid1 would be left holding what rid holds, so it goes whole.
+    d.allocate(3, list(range(100, 116)))
+    plan = d.allocate(4, [50, 51, 52, 53, 54, 55, 56, 57])
+    assert plan.evicted_block_ids == (3, 2)
+    assert [(type(op).__name__, op.seq_id) for op in plan.retained_ops] == [("FreeEvent", rid1), ("TruncateEvent", rid)]
+    assert plan.retained_ops[1].num_tokens == 8
+    assert m.retained() == {rid: (0, 1)} and st.tokens_of(m, rid) == P and len(st.cells) == 32
+    plan = d.allocate(5, [60, 61, 62, 63, 64, 65, 66, 67])
+    assert plan.evicted_block_ids == (1, 0) and m.retained() == {} and st.tokens_of(m, rid) == []
     assert m.stats().num_retained == 0
 
 
@@ -369,25 +382,25 @@ def test_per_slot_streams_take_over_retained_prefixes():
     m, st = d.m, d.storage
     d.allocate("A", P + [1, 2, 3])
     m.mark_computed("A")
-    d.free("A")  # retained: its whole computed blocks, P
+    d.free("A")  # retained: every computed token, the partial last block's too
     (ra, table), = m.retained().items()
-    assert len(table) == 2 and st.tokens_of(m, ra) == P
+    assert len(table) == 3 and st.tokens_of(m, ra) == P + [1, 2, 3]
 
-    b = d.allocate("B", P + [1, 9])  # 8 tokens hit: the whole of what ra holds
-    assert (b.adopted, b.prefix_source, b.num_cached_tokens) == (True, ra, 8)
+    b = d.allocate("B", P + [1, 9])  # 9 tokens hit, to the token: taken over
+    assert (b.adopted, b.prefix_source, b.num_cached_tokens) == (True, ra, 9)
     assert m.retained() == {} and st.tokens_of(m, "B") == P + [1, 9]
     m.mark_computed("B")
     d.free("B")
     (rb, _), = m.retained().items()
 
-    c = d.allocate("C", P[:4] + [7, 7, 7, 7, 7])  # 4 of rb's 8 tokens: half, taken over
-    assert (c.adopted, c.num_cached_tokens) == (True, 4)
+    c = d.allocate("C", P[:4] + [7, 7, 7, 7, 7])  # 4 of rb's 10 tokens and of its own 9: under half, afresh
+    assert (c.adopted, c.num_cached_tokens) == (False, 0)
     m.mark_computed("C")
-    d.free("C")
+    d.free("C")  # its first block repeats block 0 (the cache's copy is the first): nothing of it is kept
     (rc, held), = m.retained().items()
-    assert len(held) == 2  # P[:4] + [7, 7, 7, 7]
+    assert rc == rb and st.tokens_of(m, rb) == P + [1, 9]
 
-    e = d.allocate("E", P[:4] + [5])  # 4 of rc's 8 tokens... and 4 is half: taken over
+    e = d.allocate("E", P[:4] + [5])  # 4 of its own 5 tokens: over half, taken over
     assert e.adopted and e.num_cached_tokens == 4
     d.free("E")  # its reused block stays retained
     (re, held), = m.retained().items()
@@ -436,7 +449,7 @@ def test_retained_prefixes_are_capped_least_recently_used_first():
     rids = []
     for s, first in enumerate([10, 20, 30]):
         d.allocate(s, [first] * 4 + [1])
-        m.mark_computed(s)
+        m.mark_computed(s, 4)  # the last token, sampled, never computed: whole blocks only here
         rids.append(d.free(s).retained_as)
         if s == 1:  # a hit makes the first prefix the most recently used
             assert d.allocate("hit", [10] * 4 + [2]).prefix_source == rids[0]
@@ -445,7 +458,7 @@ def test_retained_prefixes_are_capped_least_recently_used_first():
     assert d.storage.tokens_of(m, rids[1]) == [] and m.stats().num_cached == 2
     # A longer prefix that starts with a retained one replaces it.
     d.allocate("long", [10] * 8 + [3])
-    m.mark_computed("long")
+    m.mark_computed("long", 8)
     ev = d.free("long")
     assert [op.seq_id for op in ev.dropped] == [rids[0]]
     assert list(m.retained()) == [rids[2], ev.retained_as] and len(m.retained()[ev.retained_as]) == 2
@@ -460,9 +473,9 @@ def test_retained_blocks_are_capped():
 
     def done(seq, tokens):
         d.allocate(seq, tokens)
-        m.mark_computed(seq)
+        m.mark_computed(seq, len(tokens) - 1)  # the last token, sampled, never computed: whole blocks here
 
-    done("a", [1] * 8 + [0])  # blocks 0, 1 retained, 2 (partial) freed empty
+    done("a", [1] * 8 + [0])  # blocks 0, 1 retained, 2 (holding nothing computed) freed empty
     a = d.free("a").retained_as
     done("b", [2] * 4 + [0])  # block 2 retained: 3 cached, within the cap
     b = d.free("b").retained_as

@@ -40,7 +40,9 @@ Rules, each with its reason:
   (prefixes are what other prompts share).
 - With a per-sequence storage, a prefix outlives its request only as a *retained prefix*
   (`retain_prefixes` > 0): a freed sequence's leading cached blocks stay in storage under a
-  `RetainedPrefix` id (the storage keeps that many tokens of it, `FreeEvent.retained_as`), until
+  `RetainedPrefix` id (the storage keeps that many tokens of it, `FreeEvent.retained_as`), and its
+  partial last block with them, indexed under the hash of the tokens it holds (`_register_tail`: only
+  the token-by-token hit above reads it, so a prompt sent again computes its last token only), until
   the pool evicts one of their blocks (the retained prefix is cut there, `SlotPlan.retained_ops`),
   or more than `retain_prefixes` of them exist (the least recently used goes), or more than
   `retain_blocks` blocks are cached, i.e. held by retained prefixes alone (or more than
@@ -53,7 +55,8 @@ Rules, each with its reason:
   pushed out by the tails of the requests that finish after it. (The cap used to count whole
   prefixes, tails and running sequences' blocks included, and to drop the least recently used prefix
   whole: replayed through the scheduler, bench/server_scale.py's replica with three system prompts
-  lost one that way about once a run.) A retained prefix that another one starts with is dropped at once. So
+  lost one that way about once a run.) A retained prefix that another one starts with is dropped at
+  once, and so is one that an eviction would leave holding what another holds. So
   every cached block is held by a retained prefix and every block of a retained prefix is cached or
   in use: the manager's free count stays the storage's real free memory, which is what lets
   llama.cpp's unified cell pool be sized and admitted by the manager alone.
@@ -552,17 +555,22 @@ class PagedKVManager:
         seq = self._get(seq_id)
         del self._seqs[seq_id]
         held = [b for b in seq.block_ids if b != NULL_BLOCK]
+        tail = self._register_tail(seq) if self.retain_prefixes else None  # before release: it stays cached
         cached = self.pool.release(held[::-1])
         if not self.retain_prefixes:
             return FreeEvent(seq_id, tuple(held), tuple(cached))
         run = self._registered_run(seq)
+        num_tokens = len(run) * self.block_size
+        if tail is not None and len(run) == seq.num_computed // self.block_size:
+            run, num_tokens = run + [tail], seq.num_computed
         retained_as, dropped = None, []
-        if self.retain_blocks is not None:
+        if self.retain_blocks is not None and len(run) > self.retain_blocks:
             run = run[:self.retain_blocks]  # over the cap alone: its head stays (tails go first, as in the pool)
+            num_tokens = len(run) * self.block_size
         if run and not any(t[:len(run)] == run for t in self._retained.values()):
             retained_as = RetainedPrefix(next(self._retained_ids))
             self._retained[retained_as] = run
-            self._retained_tokens[retained_as] = tuple(seq.token_ids[:len(run) * self.block_size])
+            self._retained_tokens[retained_as] = tuple(seq.token_ids[:num_tokens])
             self._coverage.update(run)
             # Prefixes the new one starts with are redundant; then the least recently used go.
             dropped += [self._cut_retained(r, 0) for r, t in list(self._retained.items())
@@ -573,7 +581,7 @@ class PagedKVManager:
         dropped += self._evict_over_cap()
         kept_tokens = 0
         if retained_as in self._retained:  # (the cap may have cut it too)
-            kept_tokens = len(self._retained[retained_as]) * self.block_size
+            kept_tokens = len(self._retained_tokens[retained_as])
         if retained_as is not None:  # the storage keeps it at its final length at once
             dropped = [op for op in dropped if op.seq_id != retained_as]
             if retained_as not in self._retained:  # the cap took all of it: nothing is kept after all
@@ -589,9 +597,7 @@ class PagedKVManager:
         for b in evicted:
             if not self._coverage[b]:
                 continue
-            for rid, table in list(self._retained.items()):
-                if b in table:
-                    ops.append(self._cut_retained(rid, table.index(b)))
+            ops += [self._cut_before(rid, b) for rid, table in list(self._retained.items()) if b in table]
         return new, evicted, tuple(ops)
 
     def _evict_over_cap(self) -> list[TruncateEvent | FreeEvent]:
@@ -602,18 +608,37 @@ class PagedKVManager:
         while self._over_cap():
             b = self.pool.oldest_cached()  # one used once, while any is cached
             assert self._coverage[b], f"cached block {b} is held by no retained prefix"
-            for rid, table in list(self._retained.items()):
-                if b not in table:
-                    continue
-                keep = table.index(b)
-                if keep and any(r != rid and t[:keep] == table[:keep] for r, t in self._retained.items()):
-                    keep = 0  # what would be left, another retained prefix holds too
-                ops.append(self._cut_retained(rid, keep))
+            ops += [self._cut_before(rid, b) for rid, table in list(self._retained.items()) if b in table]
         return ops
+
+    def _cut_before(self, rid: RetainedPrefix, block: int) -> TruncateEvent | FreeEvent:
+        """Cut retained prefix `rid` before `block`, or drop it whole where another retained prefix holds
+        what would be left (two chats' partial tails after one system prompt, say)."""
+        table = self._retained[rid]
+        keep = table.index(block)
+        if keep and any(r != rid and t[:keep] == table[:keep] for r, t in self._retained.items()):
+            keep = 0
+        return self._cut_retained(rid, keep)
 
     def _over_cap(self) -> bool:
         return ((self.retain_blocks is not None and self.pool.num_cached > self.retain_blocks) or
                 (self.retain_once_blocks is not None and self.pool.num_cached_once > self.retain_once_blocks))
+
+    def _register_tail(self, seq: _Seq) -> int | None:
+        """Per-sequence storage: index a freed sequence's last, partial block under the hash of its computed
+        tokens, so that a retained prefix keeps them (to the token, as llama-server's slots keep a prompt:
+        the same prompt again then computes its last token only, not up to a block). Full-block lookups
+        never match it (their hashes cover `block_size` tokens); only `_partial_block` reads it, through the
+        retained table. None where there is no such block or another sequence holds it too."""
+        k, r = divmod(seq.num_computed, self.block_size)
+        if not (self.per_sequence_storage and r and k < len(seq.block_ids) and len(seq.block_hashes) >= k):
+            return None
+        b = seq.block_ids[k]
+        if b == NULL_BLOCK or self.pool.ref_count(b) != 1 or self.pool.block_hash(b) is not None:
+            return None
+        parent = seq.block_hashes[k - 1] if k else None
+        start = k * self.block_size
+        return b if self.pool.register(b, self._hash_fn(parent, tuple(seq.token_ids[start:start + r]))) else None
 
     def _registered_run(self, seq: _Seq) -> list[int]:
         """The leading blocks of `seq` that are the cache's own copy of their content: what a
@@ -640,6 +665,7 @@ class PagedKVManager:
             del self._retained[rid]
             del self._retained_tokens[rid]
             return FreeEvent(rid, tuple(gone), ())
+        self._retained_tokens[rid] = self._retained_tokens[rid][:keep * self.block_size]
         return TruncateEvent(rid, keep * self.block_size, tuple(gone[::-1]), ())
 
     def _forget_unheld(self, blocks: Sequence[int]) -> list[int]:
@@ -694,9 +720,9 @@ class PagedKVManager:
         """(id, block table, computed tokens, token ids) of every sequence whose storage may serve a
         prefix: live ones, then retained ones most recently used first (retained ones first with
         `adopt_retained`, where taking one over is free and copying from a live one is not)."""
-        bs = self.block_size
         live = ((sid, s.block_ids, s.num_computed, s.token_ids) for sid, s in self._seqs.items())
-        kept = ((rid, t, len(t) * bs, self._retained_tokens[rid]) for rid, t in reversed(self._retained.items()))
+        kept = ((rid, t, len(self._retained_tokens[rid]), self._retained_tokens[rid])
+                for rid, t in reversed(self._retained.items()))
         return itertools.chain(kept, live) if self.adopt_retained else itertools.chain(live, kept)
 
     def _partial_block(self, tokens: list[int], hits: list[int]) -> tuple[SeqId | None, int]:
