@@ -31,7 +31,8 @@ Writes bench/results/gemma3.json:
   build and llama.cpp on the PyPI file, 1 and 2 threads, each row with its perplexity change against the
   float model (the peers' measured on the same held-out text; `genai_builder` names the builder used);
 - `import.max_abs_err_vs_float64`: our float32 import against the same model in float64 (what float32
-  arithmetic alone moves), beside llama.cpp's distance from it.
+  arithmetic alone moves), beside llama.cpp's distance from it, and llama.cpp's from itself on another
+  of its kernel paths (`import.llamacpp_f32_self_max_abs_diff`: flash attention on, 8-token batches).
 The weights come from a Q4_K grid (Q4_K_M: 4-bit super-blocks with 6-bit scales and minima), so every
 4-bit figure here measures re-quantizing weights that already sat on another 4-bit grid.
 """
@@ -112,7 +113,7 @@ def check_import(model, tok, gguf: Path, tmp: Path) -> dict:
     # the table modelled, to 9e-6, because a float32-level difference in a gate's input (any other order
     # of summation) still moves it across an fp16 rounding boundary now and then, a jump of 5e-4 in that
     # element; the residual stream grows to ~1e5 by layer 15 and carries those jumps to ~0.03 on the
-    # logits. llama.cpp itself moves as far under another of its own kernel paths (`llamacpp_f32_self`:
+    # logits. llama.cpp itself moves as far under another of its own kernel paths (`llamacpp_f32_self_max_abs_diff`:
     # flash attention on), while our float32 stays within 1e-4 of float64 (`max_abs_err_vs_float64`).
     # llama.cpp's arithmetic, not the import, sets the 1e-3 goal's distance.
     acts = {m: m.act for m in model.modules() if getattr(m, "act_name", None) == "gelu_pytorch_tanh"}

@@ -105,8 +105,8 @@ def child_genai(folder: str, prompt: list[int], n: int, threads: int) -> dict:
     import onnxruntime_genai as og
 
     config = og.Config(folder)
-    # The builder's genai_config.json names no thread count, so ORT would take one per core: the same
-    # explicit count as every other engine (a "1 thread" row once ran genai on 2).
+    # The builder's genai_config.json names no thread count, and genai then ran on one thread (a
+    # "2 threads" row compared our two against its one): the same explicit count as every other engine.
     config.overlay(json.dumps({"model": {"decoder": {"session_options": {
         "intra_op_num_threads": threads, "inter_op_num_threads": 1}}}}))
     model = og.Model(config)
