@@ -5,8 +5,8 @@ the token ids the device's cache held and llama.cpp's own serialisation of those
 (`llama_state_seq_get_data`). `seed` restores that blob into one llama sequence of the server's pool
 and hands the ids to the paged-KV manager as a retained prefix, exactly as if a request with that
 prompt had just finished: a request whose prompt starts with the conversation (its messages and the
-next one, or the transcript and the next text) copies those cells instead of computing them. The hit
-is block-aligned (the manager shares whole blocks), so at most one block's tokens are recomputed. The
+next one, or the transcript and the next text) copies those cells instead of computing them, to the
+token (the retained prefix keeps its partial last block too), so only the new tokens are computed. The
 prefix then lives as any retained prefix does: evicted when the pool needs its blocks.
 
 What must match, checked before the model loads (`check`), else one line and exit code 2:
@@ -65,7 +65,7 @@ def check(files: tuple[str, ...], gguf_sha256: str) -> list[SessionFile]:
 
 def seed(manager: PagedKVManager, storage, session: SessionFile, number: int, max_model_len: int) -> int:
     """Restore `session`'s cells into the pool as a retained prefix (before the engine starts); returns
-    how many of its tokens the prefix cache keeps (whole blocks, up to --retain-tokens)."""
+    how many of its tokens the prefix cache keeps (all of them, within --retain-tokens)."""
     tokens, blob = session.tokens, session.arrays["llama_state_seq"]
     if len(tokens) >= max_model_len:
         raise UserError(f"{session.path} holds {len(tokens)} tokens; the server's --max-model-len is "

@@ -77,10 +77,9 @@ def test_seeded_server_continues_the_device_conversation(conversation):
         got = httpx.post(srv.url + "/v1/completions", json=body, timeout=60).json()
         after = metrics(srv.url)
     computed = after.get("edgefinfer_prompt_tokens_total", 0) - before.get("edgefinfer_prompt_tokens_total", 0)
-    # The manager shares the seeded ids that the prompt starts with, to the token within the seed's whole
-    # blocks (what a retained prefix keeps), all but the prompt's last token at most; the rest is computed.
-    shared = min(common_prefix(c["cached"], c["prompt_ids"]), len(c["cached"]) // BLOCK * BLOCK,
-                 len(c["prompt_ids"]) - 1)
+    # The manager shares the seeded ids that the prompt starts with, to the token (a retained prefix keeps
+    # its partial last block too), all but the prompt's last token at most; the rest is computed.
+    shared = min(common_prefix(c["cached"], c["prompt_ids"]), len(c["prompt_ids"]) - 1)
     assert shared >= 2 * BLOCK, (len(c["cached"]), shared)  # the seed covers most of the prompt
     assert got["usage"]["prompt_tokens"] == len(c["prompt_ids"])
     assert computed == len(c["prompt_ids"]) - shared
