@@ -186,11 +186,11 @@ def main() -> None:
         print("RESULT " + json.dumps(fn(args.path, prompt, args.steps, args.threads)), flush=True)
         return
 
-    from android_speed import peer_and_prompt
+    from android_speed import bundle_and_peer
 
     start_load = [round(x, 2) for x in os.getloadavg()]
     bundle = Path(args.bundle)
-    pte, recipe, genai, prompt_file = peer_and_prompt(bundle)
+    pte, recipe, genai, prompt_file, _ = bundle_and_peer(bundle)
     engines = {f"edgefinfer android ({recipe})": profile("ours", pte, prompt_file, args.steps, args.threads),
                "onnxruntime-genai int4": profile("genai", genai, prompt_file, args.steps, args.threads)}
     kinds = list(dict.fromkeys(k for got in engines.values() for k in got))

@@ -27,10 +27,10 @@ from common import machine, print_table, versions, write_results  # noqa: E402
 from runtime import measure  # noqa: E402
 
 
-def peer_and_prompt(bundle: Path) -> tuple[Path, str, Path, Path]:
+def bundle_and_peer(bundle: Path) -> tuple[Path, str, Path, Path, dict]:
     """The bundle's .pte and recipe (built with `edgefinfer build --target android` if missing: a
-    program-cache hit when it was built before), onnxruntime-genai's int4 build of the same model, and
-    the 128-token prompt file both engines are given."""
+    program-cache hit when it was built before), onnxruntime-genai's int4 build of the same model, the
+    128-token prompt file both engines are given, and the bundle's metrics (its build's perplexity)."""
     from edgefinfer.bundle.manifest import load_manifest
     from edgefinfer.data.corpora import load_text
     from edgefinfer.files.user_cache import cache_dir
@@ -49,7 +49,7 @@ def peer_and_prompt(bundle: Path) -> tuple[Path, str, Path, Path]:
     prompt_file = work / "prompt-android-speed.json"
     prompt_file.parent.mkdir(parents=True, exist_ok=True)
     prompt_file.write_text(json.dumps(Tokenizer.from_dir(folder).encode(load_text("test"))[:128]))
-    return pte, recipe, genai, prompt_file
+    return pte, recipe, genai, prompt_file, manifest.metrics
 
 
 def main() -> None:
@@ -61,7 +61,10 @@ def main() -> None:
     ap.add_argument("--name", help="results file stem (default android_speed[-Nthreads])")
     args = ap.parse_args()
     host = machine()
-    pte, recipe, genai, prompt_file = peer_and_prompt(Path(args.bundle))
+    pte, recipe, genai, prompt_file, metrics = bundle_and_peer(Path(args.bundle))
+    # Recipes differ (ours against genai's RTN int4): the bundle's perplexity beside its speed, as its
+    # build measured it with ExecuTorch (genai's on the same text: bench/onnx_vs_genai.py).
+    quality = {k: metrics.get(k) for k in ("ppl_delta_pct", "eval_tokens", "eval_split")}
 
     rounds = []
     for i in range(args.rounds):
@@ -74,7 +77,8 @@ def main() -> None:
     ratios = [r["ratio"] for r in rounds]
     summary = {"recipe": recipe, "median_ratio": statistics.median(ratios), "min_ratio": min(ratios),
                "max_ratio": max(ratios), "ours_median_tok_s": statistics.median(r["ours_decode_tok_s"] for r in rounds),
-               "genai_median_tok_s": statistics.median(r["genai_decode_tok_s"] for r in rounds)}
+               "genai_median_tok_s": statistics.median(r["genai_decode_tok_s"] for r in rounds),
+               "ours_quality": quality}
     print_table(rounds, ["round", "ours_decode_tok_s", "genai_decode_tok_s", "ratio"])
     print(f"\n{recipe} .pte vs onnxruntime-genai int4: median ratio {summary['median_ratio']:.2f}x "
           f"(range {summary['min_ratio']:.2f}-{summary['max_ratio']:.2f}, {args.rounds} rounds, {args.threads} thread)")
