@@ -135,11 +135,11 @@ def child_genai(folder: str, prompt: list[int], steps: int, threads: int) -> dic
 # ---- the run ------------------------------------------------------------------------------------------------
 
 def profile(child: str, path: Path, prompt_file: Path, steps: int, threads: int) -> dict[str, float]:
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")}
-    env.update(OMP_NUM_THREADS=str(threads), OMP_WAIT_POLICY="PASSIVE")
+    from runtime import engine_env
+
     proc = subprocess.run([sys.executable, str(HERE), "--child", child, "--path", str(path), "--prompt-file",
                            str(prompt_file), "--steps", str(steps), "--threads", str(threads)],
-                          capture_output=True, text=True, env=env, timeout=1800)
+                          capture_output=True, text=True, env=engine_env(child, threads), timeout=1800)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])
