@@ -10,9 +10,9 @@ Servers, each in its own process with the same thread count, slots and context:
   per-slot layout), f16 KV and flash attention (its defaults on this CPU; `--flash-attn off` to
   compare without). For workload (b) also with `--cache-reuse 256`, and with `cache_prompt: false`.
 - `llama_cpp.server`, llama-cpp-python's server, which serves one request at a time: workload (a).
-- `edgefinfer` at its defaults (`defaults`: f16 KV, flash attention, the unified pool with retained
-  prefixes; no tuning flag), `per-slot` (`--kv-layout per-slot`, matched to llama-server's layout),
-  and `batch-invariant` (`--batch-invariant`: exactly `edgefinfer run`'s tokens; not in the default
+- `edgefinfer` at its defaults (`defaults`: f16 KV, flash attention, per-slot streams that keep each
+  finished prompt, as llama-server's; no tuning flag), `unified` (`--kv-layout unified`: one pool,
+  prefixes stored once), and `batch-invariant` (`--batch-invariant`: exactly `edgefinfer run`'s tokens; not in the default
   set, `--servers edgefinfer:batch-invariant` adds it).
 
 Workloads (closed loop: C clients, each sending its next request when its previous one ends), shaped
@@ -228,7 +228,7 @@ def ours_argv(gguf: Path, port: int, threads: int, gpu_layers: int = 0, flash_at
             "--served-model-name", "model", *([] if flash_attn else ["--no-flash-attn"])]
 
 
-OURS_CONFIGS = {"defaults": [], "per-slot": ["--kv-layout", "per-slot"], "batch-invariant": ["--batch-invariant"]}
+OURS_CONFIGS = {"defaults": [], "unified": ["--kv-layout", "unified"], "batch-invariant": ["--batch-invariant"]}
 
 
 # ------------------------------------------------------------------------------------- client
@@ -539,7 +539,7 @@ def main() -> None:
     with contextlib.ExitStack() as stack:
         servers = {key: stack.enter_context(make()) for key, make in {
             ("edgefinfer", "defaults"): lambda: ours("defaults"),
-            ("edgefinfer", "per-slot"): lambda: ours("per-slot"),
+            ("edgefinfer", "unified"): lambda: ours("unified"),
             **({("edgefinfer", "batch-invariant"): lambda: ours("batch-invariant")}
                if args.servers and "edgefinfer:batch-invariant" in args.servers else {}),
             ("llama-server", "default"): lambda: peer("default"),

@@ -9,7 +9,7 @@ manager's decisions with `llama_memory_*` calls on llama sequence ids ("slots"),
 
 Two memory layouts (`kv_unified`):
 
-* True (the default): one pool of cells for all sequences; `seq_cp` shares cells (a prefix costs
+* True: one pool of cells for all sequences; `seq_cp` shares cells (a prefix costs
   memory once), and any mix of sequences fits as long as the total does. The paged-KV manager's
   blocks then are the memory: its pool is the cell pool, and what it reports free is free in
   llama.cpp. Finished requests' prompts stay as retained prefixes (`retain_prefixes`, on llama seq
@@ -19,9 +19,14 @@ Two memory layouts (`kv_unified`):
   attention problem and pick their paths from its size, so a sequence's logits change with its
   neighbours: not batch-invariant (reference model, 16 concurrent greedy requests: logprobs off by up
   to 0.12, and 9 of 16 continuations diverged within 32 tokens; see docs/SERVER.md).
-* False: one KV stream per slot, each `max_model_len` cells. Attention of a sequence then runs over
-  its own stream with kernels chosen by its own token count. A cross-stream `seq_cp` copies the whole
-  stream (llama.cpp only copies full streams), then `seq_rm` cuts it to the shared prefix.
+  Every token also attends (masked) over the pool up to its highest used cell: at 16 sequences a
+  decode step costs 81 ms against 73 ms per-slot (docs/SERVER.md).
+* False (the server's default, as llama-server's --parallel): one KV stream per slot, each
+  `max_model_len` cells. Attention of a sequence then runs over its own stream with kernels chosen by
+  its own token count. A cross-stream `seq_cp` copies the whole stream (llama.cpp only copies full
+  streams), then `seq_rm` cuts it to the shared prefix. A finished prompt stays in its stream, taken
+  over by the next request that starts with it (`adopt_retained`). llama.cpp runs sequences of
+  consecutive ids in one micro-batch only, so a step feeds them in slot order (`_calls`).
 
 `batch_invariant` (`edgefinfer serve --batch-invariant`, per-slot only) makes a request's logits
 independent of its batch neighbours: 16 concurrent greedy requests return exactly what each returns
@@ -140,7 +145,7 @@ class LlamaCppExecutor:
     sliding_window = None
 
     def __init__(self, gguf_path: str | Path, max_num_seqs: int = 32, max_model_len: int = 2048,
-                 max_batch_tokens: int = 512, block_size: int = 16, kv_unified: bool = True,
+                 max_batch_tokens: int = 512, block_size: int = 16, kv_unified: bool = False,
                  kv_cells: int | None = None, flash_attn: bool = True, kv_dtype: str = "f16",
                  batch_invariant: bool = False,
                  threads: int | None = None, gpu_layers: int = 0, num_blocks: int | None = None,
@@ -229,7 +234,10 @@ class LlamaCppExecutor:
         if len(work) == 1:  # one sequence (every step at concurrency 1): one call
             return [list(work)]
         if not self.batch_invariant:
-            groups = [list(work)]
+            # Per-slot, llama.cpp puts into one micro-batch only sequences whose ids follow each other
+            # in batch order (`split_equal(sequential=true)`): 16 one-token decodes in another order
+            # took 1.4-1.7x a step in several graphs. In slot order they are one.
+            groups = [list(work) if self.kv_unified else sorted(work, key=lambda w: self.storage.slot(w.seq_id))]
         else:
             by_len = sorted(work, key=lambda w: (len(w.token_ids), self.storage.slot(w.seq_id)))
             groups = [list(g) for _, g in groupby(by_len, key=lambda w: len(w.token_ids))]

@@ -45,11 +45,11 @@ class ServeOptions:
     prefill_chunk: int = 256
     block_size: int = 16
     enable_prefix_caching: bool = True
-    # llama.cpp's KV settings; None picks the default (`kv_settings`): llama-server's f16 KV and flash
-    # attention in one unified pool, or, with batch_invariant, what `edgefinfer run` computes exactly.
+    # llama.cpp's KV settings; None picks the default (`kv_settings`): llama-server's f16 KV, flash
+    # attention and per-slot streams, or, with batch_invariant, what `edgefinfer run` computes exactly.
     kv_unified: bool | None = None  # True: one cell pool the manager governs; False: one stream per sequence
     kv_cells: int | None = None
-    retain_prefixes: int | None = None  # None: 64 with kv_unified; per-slot, max_num_seqs (0 if exact or swapping)
+    retain_prefixes: int | None = None  # None: per-slot, max_num_seqs (0 if exact or swapping); 64 with kv_unified
     retain_tokens: int | None = None  # cap on the tokens only retained prefixes hold (None: DEFAULT_RETAIN_TOKENS)
     flash_attn: bool | None = None
     kv_dtype: str | None = None
@@ -79,8 +79,11 @@ def kv_settings(opts: ServeOptions, run: CellFormat) -> KVSettings:
     """The llama.cpp KV settings `opts` asks for, its None fields filled with the defaults of its mode;
     `run`: the cells `edgefinfer run` keeps for this GGUF (`runtime_cells`).
 
-    Default: f16 KV and flash attention as llama-server runs them, in the unified pool (prefixes shared
-    and kept after their request). --batch-invariant: per-slot streams in `edgefinfer run`'s cell format,
+    Default: f16 KV, flash attention and one stream per sequence (per-slot), as llama-server runs
+    them with --parallel N: each sequence attends over its own stream, where in the unified pool every
+    token attends (masked) over every sequence's cells; 16 one-token decodes cost 81 ms a step there
+    against 73 ms per-slot (docs/SERVER.md). Finished prompts stay in their streams for the next
+    request that starts with them. --batch-invariant: per-slot streams in `edgefinfer run`'s cell format,
     the only settings under which a request's tokens equal `edgefinfer run`'s whatever its neighbours;
     a flag that contradicts it is a usage error rather than a silently inexact server.
 
@@ -101,8 +104,9 @@ def kv_settings(opts: ServeOptions, run: CellFormat) -> KVSettings:
                             f"{' and '.join(clash)}")
         return KVSettings(True, run.dtype, run.flash_attn)
     if not opts.batch_invariant:
-        return KVSettings(True if opts.kv_unified is None else opts.kv_unified, opts.kv_dtype or "f16",
-                          True if opts.flash_attn is None else opts.flash_attn)
+        # --kv-cells sizes a unified pool, so it asks for one.
+        unified = opts.kv_cells is not None if opts.kv_unified is None else opts.kv_unified
+        return KVSettings(unified, opts.kv_dtype or "f16", True if opts.flash_attn is None else opts.flash_attn)
     clash = contradicting(("--kv-layout unified", bool(opts.kv_unified)))
     if clash:
         raise UserError(f"--batch-invariant computes exactly what `edgefinfer run` does (per-slot KV, "

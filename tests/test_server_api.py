@@ -438,6 +438,33 @@ def test_a_repeated_prompt_computes_only_its_last_token(unified):
         engine.executor.close()
 
 
+def test_per_slot_steps_feed_sequences_in_slot_order():
+    """llama.cpp runs per-slot sequences in one micro-batch only where their ids follow each other in
+    the batch (`split_equal(sequential=true)`), so a step must reach it in slot order whatever order the
+    scheduler planned it in; and the logits still go to the sequence that asked for them."""
+    from edgefinfer.server_gpu.interface import SeqWork, StepPlan
+
+    engine, _ = build_engine(ServeOptions(MODEL, max_num_seqs=4, max_model_len=64, threads=1))
+    executor = engine.executor
+    try:
+        assert not executor.kv_unified  # the default layout
+        storage = executor.storage
+        for seq_id in (30, 10, 20):  # slots 0, 1, 2
+            storage.slot(seq_id)
+        ids = engine.tokenizer.encode("The lighthouse keeper climbed the stairs")
+        work = [SeqWork(seq_id, tuple(ids[:n]), 0, 1, ()) for seq_id, n in ((20, 5), (10, 3), (30, 4))]
+        (call,) = executor._calls(work)
+        assert [storage.slot(w.seq_id) for w in call] == [0, 1, 2]
+        logits = {k: v.copy() for k, v in executor.execute(StepPlan((), tuple(work))).logits.items()}
+        for seq_id, n in ((20, 5), (10, 3), (30, 4)):  # each row is its own prompt's: as if run alone
+            storage.release(seq_id)
+            alone = executor.execute(StepPlan((), (SeqWork(seq_id, tuple(ids[:n]), 0, 1, ()),))).logits[seq_id]
+            assert int(alone.argmax()) == int(logits[seq_id].argmax())
+            storage.release(seq_id)
+    finally:
+        executor.close()
+
+
 def test_draft_model_speculation_verifies_in_the_batch():
     # The model as its own draft (its own llama context, one slot per sequence): most drafts are accepted,
     # and rejected tails are rolled back on both sides.
@@ -502,7 +529,9 @@ def test_defaults_are_llama_servers_and_the_exact_mode_is_a_flag():
 
     quantized, float_weights = CellFormat("f16", False), CellFormat("f32", False)  # `edgefinfer run`'s cells
     for run in (quantized, float_weights):
-        assert kv_settings(ServeOptions(MODEL), run) == KVSettings(unified=True, dtype="f16", flash_attn=True)
+        assert kv_settings(ServeOptions(MODEL), run) == KVSettings(unified=False, dtype="f16", flash_attn=True)
+        assert kv_settings(ServeOptions(MODEL, kv_cells=4096), run) == KVSettings(True, "f16", True)  # sizes a pool
+        assert kv_settings(ServeOptions(MODEL, kv_unified=True), run) == KVSettings(True, "f16", True)
         assert kv_settings(ServeOptions(MODEL, batch_invariant=True), run) == KVSettings(False, run.dtype,
                                                                                           run.flash_attn)
         assert kv_settings(ServeOptions(MODEL, sessions=("a.efs",)), run) == KVSettings(True, run.dtype, run.flash_attn)

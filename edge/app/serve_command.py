@@ -34,12 +34,13 @@ from edgefinfer.errors import UserError
 @click.option("--block-size", default=16, show_default=True, type=click.IntRange(1), help="Paged-KV block size.")
 @click.option("--no-prefix-caching", is_flag=True, help="Do not reuse computed prompt prefixes.")
 @click.option("--kv-layout", type=click.Choice(["unified", "per-slot"]), default=None,
-              help="llama.cpp: 'unified' (default) is one cell pool that the paged-KV manager governs: prefixes "
-                   "stored once and kept after their request (a repeated prompt or a shared system prompt is not "
-                   "computed again), admission by real free memory. 'per-slot' reserves --max-model-len cells per "
-                   "sequence (the layout --batch-invariant needs). See docs/SERVER.md.")
+              help="llama.cpp: 'per-slot' (default, as llama-server's --parallel) gives each sequence a stream of "
+                   "--max-model-len cells that only its own tokens attend over; a finished prompt stays in its "
+                   "stream for the next request that starts with it. 'unified' is one cell pool that the paged-KV "
+                   "manager governs: prefixes stored once, admission by real free memory, but every token attends "
+                   "(masked) over every sequence's cells. See docs/SERVER.md.")
 @click.option("--kv-cells", type=click.IntRange(16), default=None,
-              help="Cells of the unified pool (default: --max-num-seqs x --max-model-len).")
+              help="Cells of a unified pool (implies --kv-layout unified; default: --max-num-seqs x --max-model-len).")
 @click.option("--retain-prefixes", type=click.IntRange(0), default=None,
               help="Finished requests' prompts kept for later prefix hits, until their blocks are needed (unified "
                    "layout, default 64), or in the streams their requests left, each taken over by the next "
