@@ -20,8 +20,10 @@ the file's session rows): process start to first token and peak RSS of `edgefinf
 --max-tokens 16` next to the peer's own runner on the same artefact, each a fresh process measured from
 outside: the clock starts before the process is spawned and stops at the first byte it writes to stdout
 (each runner streams its reply, the first token first); the peak RSS is the kernel's (`wait4`'s
-ru_maxrss, taken by a small launcher process: see LAUNCHER). Peers: llama.cpp's own code through
-llama-cpp-python (`Llama`, its tokenizer and loop) on the gpu-server bundle's GGUF, onnxruntime-genai's
+ru_maxrss, taken by a small launcher process: see LAUNCHER). Peers: on the gpu-server bundle's GGUF,
+llama.cpp's own CLI (`llama-completion` built from the pinned sources by bench/peers.py: `-p PROMPT -n 16
+--temp 0 -fa off -no-cnv --no-display-prompt`, its defaults otherwise, warm-up decode included) and llama.cpp
+through llama-cpp-python (`Llama`, its tokenizer and loop, the Python runner beside ours); onnxruntime-genai's
 Generator on the linux-x86_64 bundle, ExecuTorch's TextLLMRunner on the android bundle's .pte. Runs
 alternate ours / peer, `--runs` of each (median and range), after one unmeasured run of each; both with a
 bytecode cache (`startup_env`), as installed packages have. The prompt is the chat template rendered
@@ -47,8 +49,10 @@ from common import machine, print_table, versions, write_results  # noqa: E402
 
 BACKENDS = ("executorch", "onnxruntime", "llamacpp", "torch")
 TARGETS = {"onnxruntime": "linux-x86_64", "executorch": "android"}
-STARTUP = {"llamacpp": ("gpu-server", "llama-cpp-python (Llama)"), "onnxruntime": ("linux-x86_64", "onnxruntime-genai"),
-           "executorch": ("android", "ExecuTorch TextLLMRunner")}
+# backend -> (bundle, its peers' runners): a row per pair.
+STARTUP = {"llamacpp": ("gpu-server", ("llama-cpp-python (Llama)", LLAMA_CLI := "llama.cpp CLI (llama-completion)")),
+           "onnxruntime": ("linux-x86_64", ("onnxruntime-genai",)),
+           "executorch": ("android", ("ExecuTorch TextLLMRunner",))}
 STARTUP_QUESTION = "What is the capital of France?"
 STARTUP_TOKENS = 16
 RSS_HEADROOM_MIB = 250
@@ -189,10 +193,12 @@ def startup_prompt(bundle: Path) -> str:
 
 def same_reply(ours: str, peer: str, bundle: Path) -> bool:
     """The two replies are the same text. TextLLMRunner prints the end-of-sequence token it stops on
-    (`<|im_end|>`) where `edgefinfer run` stops without printing it: that token alone does not count."""
+    (`<|im_end|>`) and llama.cpp's CLI says " [end of text]" there, where `edgefinfer run` stops without
+    printing anything: those marks alone do not count."""
     from edgefinfer.tokenization.tokenizer import Tokenizer
 
     eos = Tokenizer.from_dir(bundle).eos_token
+    peer = peer.removesuffix("[end of text]").rstrip()
     return ours == peer or (bool(eos) and ours == peer.removesuffix(eos).rstrip())
 
 
@@ -312,7 +318,22 @@ def startup_env(pycache: Path) -> dict[str, str]:
     return {**env, "PYTHONUNBUFFERED": "1", "PYTHONPYCACHEPREFIX": str(pycache)}
 
 
-def run_startup(backend: str, bundle: Path, threads: int, runs: int) -> dict:
+def llama_cli_argv(bundle: Path, prompt_file: Path, threads: int) -> list[str]:
+    """llama.cpp's completion CLI on the bundle's GGUF: the prompt as given (its template already rendered,
+    special tokens parsed; `-p`, since `-f` drops a prompt's trailing newline), greedy, STARTUP_TOKENS
+    tokens, only the reply on stdout. Flash attention off: the cells `edgefinfer run` keeps for a quantized
+    GGUF (`runtime_cells`), so that the two replies can be compared token for token (with the CLI's
+    default, on, the 16th token differed here); the prompt's 37 tokens take the same ~0.28 s either way."""
+    import peers
+
+    binary = peers.llama_tools(("llama-completion",))["llama-completion"]
+    th = str(threads)
+    return [str(binary), "-m", str(next(bundle.glob("*.gguf"))), "-p", prompt_file.read_text(), "-n",
+            str(STARTUP_TOKENS), "--temp", "0", "-t", th, "-tb", th, "-c", "2048", "-fa", "off", "-no-cnv",
+            "--no-display-prompt"]
+
+
+def run_startup(backend: str, bundle: Path, threads: int, runs: int, peer_name: str) -> dict:
     prompt = startup_prompt(bundle)
     with tempfile.TemporaryDirectory() as tmp:
         env = startup_env(Path(tmp) / "pycache")
@@ -320,8 +341,9 @@ def run_startup(backend: str, bundle: Path, threads: int, runs: int) -> dict:
         prompt_file.write_text(prompt)
         ours = [sys.executable, "-m", "edgefinfer", "run", str(bundle), "-p", prompt, "--max-tokens",
                 str(STARTUP_TOKENS), "--threads", str(threads)]
-        peer = [sys.executable, str(Path(__file__).resolve()), "--peer-child", backend, str(bundle), str(prompt_file),
-                str(STARTUP_TOKENS), str(threads)]
+        peer = (llama_cli_argv(bundle, prompt_file, threads) if peer_name == LLAMA_CLI else
+                [sys.executable, str(Path(__file__).resolve()), "--peer-child", backend, str(bundle), str(prompt_file),
+                 str(STARTUP_TOKENS), str(threads)])
         got: dict[str, list] = {"ours": [], "peer": []}
         texts = {}
         # One unmeasured run each: the page cache holds the files, the bytecode cache the modules.
@@ -340,7 +362,7 @@ def run_startup(backend: str, bundle: Path, threads: int, runs: int) -> dict:
                 "peak_rss_range_mib": [round(min(r), 1), round(max(r), 1)]}
 
     row = {"backend": backend, "bundle": str(bundle), "artefact_mib": round(art_mib, 1), "runs": runs,
-           "max_tokens": STARTUP_TOKENS, "threads": threads, "peer": STARTUP[backend][1],
+           "max_tokens": STARTUP_TOKENS, "threads": threads, "peer": peer_name,
            "bytecode": "cached for both (PYTHONPYCACHEPREFIX, filled by the unmeasured run)",
            **{f"ours_{k}": v for k, v in summary(got["ours"]).items()},
            **{f"peer_{k}": v for k, v in summary(got["peer"]).items()},
@@ -408,11 +430,12 @@ def startup_rows(args: argparse.Namespace, bundles: Path) -> list[dict]:
         if not (bundle / "manifest.json").is_file():
             print(f"[startup] {backend}: no bundle at {bundle}, skipped", flush=True)
             continue
-        print(f"[startup] {backend}: {bundle} against {STARTUP[backend][1]}, {args.runs} runs each", flush=True)
-        before = uptime()
-        row = run_startup(backend, bundle, args.threads, args.runs)
-        rows.append({**row, "uptime_before": before, "uptime_after": uptime()})
-    cols = ["backend", "artefact_mib", "ours_start_to_first_token_s", "peer_start_to_first_token_s",
+        for peer in STARTUP[backend][1]:
+            print(f"[startup] {backend}: {bundle} against {peer}, {args.runs} runs each", flush=True)
+            before = uptime()
+            row = run_startup(backend, bundle, args.threads, args.runs, peer)
+            rows.append({**row, "uptime_before": before, "uptime_after": uptime()})
+    cols = ["backend", "peer", "artefact_mib", "ours_start_to_first_token_s", "peer_start_to_first_token_s",
             "ttft_ratio_paired", "ours_peak_rss_mib", "peer_peak_rss_mib", "rss_goal_mib", "rss_goal_met",
             "ttft_goal_met", "same_text"]
     print_table(rows, cols)
@@ -447,10 +470,10 @@ def main_startup(args: argparse.Namespace, bundles: Path, load_start: list[float
     file = result_file(args.quick)
     payload = json.loads(file.read_text()) if file.is_file() else {"rows": []}
     rows = startup_rows(args, bundles)
-    measured = {r["backend"] for r in rows}
+    measured = {(r["backend"], r["peer"]) for r in rows}
     run = payload.get("startup", {})  # the previous run's load, kept on the rows it measured
     kept = [{"load_avg_start": run.get("load_avg_start"), "load_avg_end": run.get("load_avg_end"), **r}
-            for r in payload.get("startup_rows", []) if r["backend"] not in measured]
+            for r in payload.get("startup_rows", []) if (r["backend"], r["peer"]) not in measured]
     payload["startup_rows"] = kept + rows
     payload["startup"] = {"machine": machine(), "threads": args.threads, "runs": args.runs,
                           "load_avg_start": load_start, "load_avg_end": [round(x, 2) for x in os.getloadavg()],
