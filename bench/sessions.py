@@ -8,7 +8,8 @@ The reference model (SmolLM2-135M-Instruct) on each backend: torch (the float32 
 `android` bundles, built into --bundles once if missing). Greedy, threads set explicitly.
 
 Per backend: time to first token of turn 1 and of turn 10 through one `Engine.session()` (turn 10
-prefills only its new tokens), against turn 10 as a stateless run prefilling the whole history; each a
+prefills only its new tokens), against turn 10 as a stateless run prefilling the whole history (fed in
+the calls a session makes: on ExecuTorch one per turn, `runtime.session.conversation_cuts`); each a
 median of 3 (turn 10 with a session is re-run from the cache state after turn 9). `same_text`: the
 session's replies equal the stateless runs' (every turn; --quick: turn 10); `same_turns` counts the
 turns that do, `parted_at` names the others as [turn, first differing reply token]. Then save/load: the next
@@ -97,7 +98,7 @@ def reply(stream_factory) -> list[int]:
 
 def run_backend(backend: str, path: Path, threads: int, quick: bool, prefill_grid: int | None = None) -> dict:
     from edgefinfer.runtime.engine import Engine
-    from edgefinfer.runtime.session import encode_messages
+    from edgefinfer.runtime.session import conversation_cuts, encode_messages
 
     if backend == "torch":
         import torch
@@ -117,8 +118,9 @@ def run_backend(backend: str, path: Path, threads: int, quick: bool, prefill_gri
         from edgefinfer.decoding.generation import Generation
 
         result = Generation("", [], "length")
+        # In the calls a session makes (ExecuTorch: turn-aligned, `conversation_cuts`; elsewhere one call).
         ids = reply(lambda on: engine.stream_ids(encode_messages(engine.tokenizer, history), n_reply, on_token=on,
-                                                 result=result))
+                                                 result=result, cuts=conversation_cuts(engine, history)))
         return ids, result.stats.prefill_s
 
     turn1 = []

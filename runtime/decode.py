@@ -114,13 +114,16 @@ def generate_tokens(backend: Backend, prompt_ids: Sequence[int], max_new_tokens:
                     params: SamplingParams = SamplingParams(), stop_ids: Sequence[int] = (),
                     speculation: Speculation | None = None, stats: GenerationStats | None = None,
                     cancel: threading.Event | None = None, matcher: TokenMatcher | None = None,
-                    cached: int = 0) -> Iterator[int]:
+                    cached: int = 0, cuts: Sequence[int] = ()) -> Iterator[int]:
     """Yield generated token ids (a stop id is yielded, then the loop ends). With a `matcher` every
     token is drawn within its grammar.
 
     `cached`: how many leading prompt tokens the backend already holds at positions 0.. (a session's
     kept prefix, `edgefinfer.runtime.session`); the backend is rolled back to them and only the rest
-    is prefilled. 0: a new sequence, the cache is reset."""
+    is prefilled. 0: a new sequence, the cache is reset.
+
+    `cuts`: positions where the prefill ends one call and starts the next (a conversation's reply
+    boundaries on a backend whose rows depend on them: `runtime.session.conversation_cuts`)."""
     check_fits(backend, len(prompt_ids), max_new_tokens)
     if not 0 <= cached < len(prompt_ids):
         raise ValueError(f"cached={cached} must leave at least one of the {len(prompt_ids)} prompt tokens to feed")
@@ -137,7 +140,11 @@ def generate_tokens(backend: Backend, prompt_ids: Sequence[int], max_new_tokens:
 
     t0 = time.perf_counter()
     context = list(prompt_ids)
-    tok = pick_token(last_logits(backend, context[cached:], cached), params, context, generator, matcher)
+    start = cached
+    for cut in sorted(c for c in cuts if cached < c < len(context)):
+        last_logits(backend, context[start:cut], start)  # an earlier call of the prefill: its logits are not used
+        start = cut
+    tok = pick_token(last_logits(backend, context[start:], start), params, context, generator, matcher)
     stats.prefill_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     produced = 0

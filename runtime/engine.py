@@ -18,7 +18,7 @@ import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 from edgefinfer.bundle.artefact import Layout
 from edgefinfer.errors import UserError
@@ -313,9 +313,12 @@ class Engine:
     def stream_ids(self, ids: list[int], max_tokens: int = 128, params: SamplingParams = SamplingParams(),
                    stop: list[str] | None = None, on_token: Callable[[int], None] | None = None,
                    cancel: threading.Event | None = None, result: Generation | None = None,
-                   response_format: ResponseFormat = None, cached: int = 0, owner: object = None) -> Iterator[str]:
+                   response_format: ResponseFormat = None, cached: int = 0, owner: object = None,
+                   cuts: Sequence[int] = ()) -> Iterator[str]:
         """`stream` from prompt token ids. `cached` leading ids are already in the backend's cache (only
-        valid for the `owner` that last used it, see `cache_owner`; a session passes itself)."""
+        valid for the `owner` that last used it, see `cache_owner`; a session passes itself). `cuts`:
+        where the prefill starts a new call (`runtime.session.conversation_cuts`: a stateless run of a
+        conversation in the calls a session makes)."""
         grammar = self.grammar(response_format)
         result = result if result is not None else Generation("", [], "length")
         if not self._lock.acquire(blocking=False):
@@ -327,7 +330,7 @@ class Engine:
             self.cache_owner = owner
             matcher = grammar.matcher() if grammar is not None else None
             tokens = generate_tokens(self.backend, ids, max_tokens, params, self.eos_ids, self.speculation,
-                                     result.stats, cancel, matcher, cached)
+                                     result.stats, cancel, matcher, cached, cuts)
             yield from detokenize(self.tokenizer, tokens, self.eos_ids, stop, result, on_token)
             if reason := finish_reason(grammar_done=matcher is not None and matcher.finished):
                 result.finish_reason = reason  # the output is complete, even if it took the last allowed token

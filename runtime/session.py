@@ -18,11 +18,20 @@ a greedy choice within a few tokens). On such a backend (`prefill_grid`, see `ba
 reply, computed step by step, is prefilled again as soon as it ends (before the user's next message,
 so the next turn's first token does not wait for it: `TurnStats.settle_s`), and every kept position
 holds what a stateless prefill of the history holds, bit for bit: greedy replies are a stateless
-run's. An ExecuTorch program's rows also change with where a call starts and how long it is; loaded
-with a grid G (`--prefill-grid`) it feeds prompts in calls aligned to G, and a session keeps rows up to
-the last whole chunk of the grid only (the partial one is fed again with the next turn). Without a
-grid, and on eager torch (whose rows differ by float noise, ~4e-5 on SmolLM2), the decoded reply is
-kept as it is, as with `Engine.session(exact=False)`. A reply whose stream the caller closed (Ctrl-C in
+run's. An ExecuTorch program's rows also change with where a call starts and how long it is (up to
+~1 logit on the android default; `rows_depend_on_calls`), so a chat session there feeds the
+conversation in turn-aligned calls (`reply_spans`): each turn's new prompt in one call, from the end
+of the previous assistant turn, and once a reply is written the assistant turn itself in one call (its
+ids as the template renders them, off the next turn's clock), and it keeps rows only up to such a call
+boundary (an edit re-prefills the edited turn from its start). A stateless run of the history fed in
+the same calls (`conversation_cuts`, `Engine.stream_ids(cuts=...)`) computes every row bit for bit as
+the session did, so the replies are the same; one call over the whole history computes other rows
+and may part from them. Loaded with a grid G (`--prefill-grid`) a program instead feeds every prompt
+in calls aligned to G, and a session keeps rows up to the last whole chunk of the grid only (the
+partial one is fed again with the next turn): any cut of a prompt then gives the same rows, at the
+cost of slower prefills. Plain-text sessions (`stream`) on ExecuTorch without a grid, and eager torch
+(whose rows differ by float noise, ~4e-5 on SmolLM2), keep the decoded reply as it is, as
+`Engine.session(exact=False)` does. A reply whose stream the caller closed (Ctrl-C in
 `edgefinfer chat`) is not settled; the next turn prefills it instead.
 
 What each cache layout allows (the backends' own rollbacks are reused, see `backends.base`):
@@ -116,6 +125,47 @@ def encode_messages(tokenizer: Tokenizer, messages: list[dict[str, str]]) -> lis
     return tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
 
 
+def turn_aligned(backend: Backend) -> bool:
+    """Whether a conversation on `backend` is fed in turn-aligned calls (`reply_spans`): its rows change with
+    where a call starts and ends (`rows_depend_on_calls`) and no grid (`prefill_grid`) makes them a
+    function of the ids alone, nor does a ring (which re-prefills from 0 instead)."""
+    return (getattr(backend, "rows_depend_on_calls", False) and getattr(backend, "prefill_grid", None) is None
+            and backend.window is None)
+
+
+def reply_spans(tokenizer: Tokenizer, messages: list[dict[str, str]],
+                ids: Sequence[int] | None = None) -> list[tuple[int, int]]:
+    """[start, end) of each assistant turn in `ids` (default: the conversation's own, `encode_messages`):
+    start is the length of the prompt that asked for the reply, end the length of the history rendered
+    up to and including the turn (the reply and the template's end-of-turn marks). A turn whose
+    renderings are not prefixes of `ids` (a template that renders earlier turns differently) has none.
+
+    These are where a session's calls start and end on a turn-aligned backend (`turn_aligned`): a turn
+    feeds [previous turn's end, its prompt's end) in one call, and once the reply is written the
+    assistant turn itself in one call (`Session._settle_reply`); a stateless run of the same history fed
+    in the same calls (`conversation_cuts`) computes every row bit for bit as the session did."""
+    ids = list(ids) if ids is not None else encode_messages(tokenizer, messages)
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant" or i == 0:
+            continue
+        prompt = encode_messages(tokenizer, messages[:i])
+        turn = tokenizer.encode(tokenizer.apply_chat_template(messages[:i + 1], add_generation_prompt=False),
+                                add_special_tokens=False)
+        start, end = len(prompt), len(turn)
+        if start < end <= len(ids) and ids[:end] == turn and turn[:start] == prompt:
+            spans.append((start, end))
+    return spans
+
+
+def conversation_cuts(engine: Engine, messages: list[dict[str, str]]) -> tuple[int, ...]:
+    """Where a stateless run of `messages` cuts its prefill to make a session's calls on `engine`'s
+    backend (`Engine.stream_ids(cuts=...)`); none where the backend's rows do not depend on them."""
+    if not turn_aligned(engine.backend):
+        return ()
+    return tuple(sorted({x for span in reply_spans(engine.tokenizer, messages) for x in span}))
+
+
 class Session:
     """One conversation over an Engine's backend. Not thread-safe (nor is the Engine's cache)."""
 
@@ -127,6 +177,7 @@ class Session:
         self.transcript = ""  # stream(): the text so far
         self.cached: list[int] = []  # ids the backend holds at positions 0.. (while this session owns it)
         self.prefilled = 0  # cached[:prefilled] were computed by prefills, the rest by decode steps
+        self._aligned = False  # the last turn was fed in turn-aligned calls (`turn_aligned`)
         self.last = TurnStats()
 
     @property
@@ -148,7 +199,7 @@ class Session:
         def commit(reply: str) -> None:
             self.messages = [*history, {"role": "assistant", "content": reply}]
 
-        return self._turn(encode_messages(self.engine.tokenizer, history), commit, max_tokens, **kw)
+        return self._turn(encode_messages(self.engine.tokenizer, history), commit, max_tokens, history=history, **kw)
 
     def edit(self, message: str, max_tokens: int = 128, **kw: Any) -> Iterator[str]:
         """Replace the last user message (and drop its reply): only the tokens from the edit on are prefilled."""
@@ -161,7 +212,7 @@ class Session:
         def commit(reply: str) -> None:
             self.messages = [*history, {"role": "assistant", "content": reply}]
 
-        return self._turn(encode_messages(self.engine.tokenizer, history), commit, max_tokens, **kw)
+        return self._turn(encode_messages(self.engine.tokenizer, history), commit, max_tokens, history=history, **kw)
 
     def stream(self, text: str, max_tokens: int = 128, **kw: Any) -> Iterator[str]:
         """Continue the plain-text transcript with `text` and stream the continuation (which joins it)."""
@@ -175,10 +226,19 @@ class Session:
     def _turn(self, ids: list[int], commit: Callable[[str], None], max_tokens: int = 128,
               params: SamplingParams = SamplingParams(), stop: list[str] | None = None,
               on_token: Callable[[int], None] | None = None, cancel: threading.Event | None = None,
-              result: Generation | None = None, response_format: ResponseFormat = None) -> Iterator[str]:
+              result: Generation | None = None, response_format: ResponseFormat = None,
+              history: list[dict[str, str]] | None = None) -> Iterator[str]:
+        """history: the messages `ids` render (chat turns), for a turn-aligned backend's cuts."""
         backend = self.engine.backend
         check_fits(backend, len(ids), max_tokens)  # before anything changes: a refused turn loses nothing
         keep = keep_length(backend, self._valid_cache(), ids, self.prefilled if self.exact else None)
+        cuts: tuple[int, ...] = ()
+        self._aligned = self.exact and history is not None and turn_aligned(backend)
+        if self._aligned:
+            # Rows are kept only up to a call boundary of a stateless run of this history, and only as a
+            # prefill computed them (`prefilled`: the settled reply, or the prompt of an unsettled one).
+            cuts = conversation_cuts(self.engine, history)
+            keep = max((c for c in (0, *cuts) if c <= min(keep, self.prefilled)), default=0)
         result = result if result is not None else Generation("", [], "length")
         produced: list[int] = []
 
@@ -192,7 +252,7 @@ class Session:
         clean = False
         try:
             yield from self.engine.stream_ids(ids, max_tokens, params, stop, seen, cancel, result, response_format,
-                                              cached=keep, owner=self)
+                                              cached=keep, owner=self, cuts=cuts)
             clean = True
         except GeneratorExit:  # the caller stopped the reply (Ctrl-C in `edgefinfer chat`): a clean stop
             clean = True
@@ -214,6 +274,8 @@ class Session:
         where decode steps round differently from a prefill (module docstring); the seconds it took,
         0.0 when there was nothing to do."""
         engine, backend = self.engine, self.engine.backend
+        if self._aligned:
+            return self._settle_reply()
         grid = getattr(backend, "prefill_grid", None)
         if not (self.exact and grid and backend.window is None):
             return 0.0
@@ -226,6 +288,28 @@ class Session:
             start = self.prefilled // grid * grid  # a partial chunk of the grid is fed again with the tail
             last_logits(backend, self.cached[start:], start)
             self.prefilled = len(self.cached)
+            return time.perf_counter() - t0
+        finally:
+            engine._lock.release()
+
+    def _settle_reply(self) -> float:
+        """Turn-aligned (`reply_spans`): feed the assistant turn just written again as one call, as the
+        next turn renders it (the reply's ids as the template writes them, and its end-of-turn marks), so
+        the cache holds what a stateless run's call computes."""
+        engine, backend = self.engine, self.engine.backend
+        ids = encode_messages(engine.tokenizer, self.messages)
+        spans = reply_spans(engine.tokenizer, self.messages, ids)
+        if not spans or not engine._lock.acquire(blocking=False):
+            return 0.0
+        try:
+            start, end = spans[-1]
+            if (engine.cache_owner is not self or self.prefilled < start or end <= start
+                    or ids[:start] != self.cached[:start]):
+                return 0.0  # the prompt is not the one the cache holds (another stream, a retokenized turn)
+            t0 = time.perf_counter()
+            backend.rollback(start)
+            last_logits(backend, ids[start:end], start)
+            self.cached, self.prefilled = ids[:end], end
             return time.perf_counter() - t0
         finally:
             engine._lock.release()

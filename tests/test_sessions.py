@@ -15,7 +15,8 @@ import pytest
 from edgefinfer.model.checkpoint import save_model
 from edgefinfer.errors import UserError
 from edgefinfer.runtime.engine import Engine
-from edgefinfer.runtime.session import MAGIC, common_prefix, encode_messages
+from edgefinfer.runtime.session import (MAGIC, common_prefix, conversation_cuts, encode_messages, reply_spans,
+                                        turn_aligned)
 from edgefinfer.decoding.structured import Constraint
 from tests.helpers import tiny_model, tiny_tokenizer
 
@@ -78,6 +79,7 @@ def turn(session, message: str, max_tokens: int, method: str = "chat", **kw) -> 
 def test_multi_turn_chat_equals_stateless_runs_and_prefills_only_the_new_tokens(artefacts, name):
     engine, reference = load(artefacts, name), load(artefacts, name)
     session = engine.session()
+    aligned = turn_aligned(engine.backend)  # ExecuTorch: the settled assistant turns are kept too
     prompt_lengths = []
     for i, (message, n) in enumerate(zip(TURNS, [1, 10, 10])):  # turn 1 stops at once: its prompt is all cached
         got = turn(session, message, n)
@@ -86,11 +88,13 @@ def test_multi_turn_chat_equals_stateless_runs_and_prefills_only_the_new_tokens(
         assert session.last.prompt_tokens == len(ids)
         assert session.last.reused_tokens + session.last.prefilled_tokens == len(ids)
         prompt_lengths.append(len(ids))
+        turns_end = [end for _, end in reply_spans(engine.tokenizer, session.messages[:-1])]
         if i == 1:  # turn 1 cached exactly its prompt: every cache keeps it (a ring too: it only grows)
-            assert session.last.reused_tokens == prompt_lengths[0]
+            assert session.last.reused_tokens == (turns_end[0] if aligned else prompt_lengths[0])
         if i == 2 and name in STATIC:  # and at least turn 2's prompt since
-            assert session.last.reused_tokens >= prompt_lengths[1]
-    assert session.cached_tokens == prompt_lengths[-1] + 9
+            assert session.last.reused_tokens >= (turns_end[1] if aligned else prompt_lengths[1])
+    assert session.cached_tokens == (reply_spans(engine.tokenizer, session.messages)[-1][1] if aligned
+                                     else prompt_lengths[-1] + 9)
     if "window" in name:  # the conversation went past the ring: it streams on
         assert prompt_lengths[-1] > WINDOW["window"] + WINDOW["lookahead"]
 
@@ -135,6 +139,34 @@ def test_an_executorch_program_on_a_prefill_grid_gives_a_prompt_the_same_rows_ho
     reference.backend.forward(session.cached, 0)
     ours, theirs = _cache(engine, len(session.cached)), _cache(reference, len(session.cached))
     assert all(np.array_equal(ours[k], theirs[k]) for k in theirs)
+
+
+def test_an_executorch_session_without_a_grid_holds_a_turn_aligned_stateless_prefills_cache_bit_for_bit(artefacts):
+    """Without a grid an ExecuTorch session feeds the conversation in turn-aligned calls (each turn's new
+    prompt, then the written assistant turn, `reply_spans`): its cache after three turns is, bit for bit,
+    what a fresh prefill of the same history in the same calls holds (`conversation_cuts`), where one call
+    over the same ids computes other rows; and the next turn prefills only its new message."""
+    engine, reference = load(artefacts, "executorch"), load(artefacts, "executorch")
+    session = engine.session()
+    for message, n in zip(TURNS, [7, 11, 9]):
+        turn(session, message, n)
+        assert session.last.settle_s > 0
+    ids = list(session.cached)
+    cuts = conversation_cuts(reference, session.messages)
+    assert len(cuts) == 6 and cuts[-1] == len(ids)  # three assistant turns, the last one settled to its end
+
+    def fresh(bounds):
+        reference.backend.reset()
+        for a, b in zip(bounds, bounds[1:]):
+            reference.backend.forward(ids[a:b], a)
+        return _cache(reference, len(ids))
+
+    ours, aligned, one_call = _cache(engine, len(ids)), fresh([0, *cuts]), fresh([0, len(ids)])
+    assert all(np.array_equal(ours[k], aligned[k]) for k in aligned)
+    assert not all(np.array_equal(ours[k], one_call[k]) for k in one_call)
+    turn(session, TURNS[0], 3)
+    assert session.last.reused_tokens == len(ids)  # the new message only
+    assert session.last.prefilled_tokens == len(encode_messages(engine.tokenizer, session.messages[:-1])) - len(ids)
 
 
 def test_a_prefill_grid_is_refused_where_it_has_no_meaning(artefacts):
@@ -182,6 +214,8 @@ def test_editing_the_last_turn_prefills_only_from_the_edit(artefacts, name):
     after = encode_messages(engine.tokenizer, session.messages[:-1])
     keep = common_prefix(before, after)
     assert keep > len(after) // 2  # the edit is near the end
+    if turn_aligned(engine.backend):  # exact on ExecuTorch: from the edited turn's first call on
+        keep = max(end for _, end in reply_spans(engine.tokenizer, session.messages[:-1]))
     assert calls[0] == (keep, len(after) - keep)  # the prefill: only the edited suffix, at its position
     assert session.last.prefilled_tokens == len(after) - keep
     assert [m["content"] for m in session.messages if m["role"] == "user"] == [

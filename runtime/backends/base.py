@@ -33,6 +33,9 @@ class Backend(Protocol):
     # [k*G, (k+1)*G) come out bit for bit the same however the prompt was cut into `forward` calls that
     # start on the grid (G = 1: any cut), while one-token calls may round differently; sessions then
     # prefill decoded replies again (`runtime.session`). None: no such promise.
+    # Optional: `rows_depend_on_calls: bool`. True declares that a row's logits depend on where the call
+    # that computed it starts and ends; without a grid, sessions then feed a conversation in
+    # turn-aligned calls, as a stateless run with `conversation_cuts` does (`runtime.session`).
 
     def forward(self, tokens: Sequence[int], start_pos: int) -> np.ndarray:
         """Feed `tokens` at positions start_pos.. and return their logits, float32 [len(tokens), vocab]."""

@@ -106,6 +106,9 @@ def set_threads(threads: int) -> None:
 
 class ExecuTorchBackend:
     name = "executorch"
+    # XNNPACK's and custom_sdpa's rows change with where a call starts and how long it is (up to ~1 logit
+    # on the android default): a session feeds a conversation in turn-aligned calls (`runtime.session`).
+    rows_depend_on_calls = True
 
     def __init__(self, pte_path: str | Path, threads: int | None = None, prefill_grid: int | None = None):
         """prefill_grid: feed prompts in calls that start and end on multiples of this many positions
