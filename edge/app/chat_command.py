@@ -159,7 +159,8 @@ def run_interactive(chat: Chat) -> None:
 @click.option("--threads", type=int, default=None, help="Intra-op threads.")
 @click.option("--prefill-grid", type=click.IntRange(1), default=None, metavar="N",
               help="ExecuTorch: feed prompts in calls aligned to N tokens, so a prompt's logits do not depend on how "
-                   "it was split (sessions then equal stateless runs; prefill is slower).")
+                   "it was split (chat sessions equal stateless runs without it too, by feeding turn-aligned calls; "
+                   "the grid also covers plain-text prompts; prefill is slower).")
 @click.option("--messages", "messages", default=None, metavar="FILE",
               help="Non-interactive: messages and /commands one per line from FILE (- for stdin).")
 @click.option("--session", "session_file", default=None, metavar="FILE", help="Start from a saved session.")

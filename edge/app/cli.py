@@ -188,7 +188,8 @@ def generate(model: str, prompt: str, kv: str | None, speculative: str | None, t
               help="Force a backend (default: the bundle's).")
 @click.option("--prefill-grid", type=click.IntRange(1), default=None, metavar="N",
               help="ExecuTorch: feed prompts in calls aligned to N tokens, so a prompt's logits do not depend on how "
-                   "it was split (sessions then equal stateless runs; prefill is slower).")
+                   "it was split (chat sessions equal stateless runs without it too, by feeding turn-aligned calls; "
+                   "the grid also covers plain-text prompts; prefill is slower).")
 @_sampling_options
 def run(bundle: str, prompt: str | None, backend: str | None, prefill_grid: int | None, kv: str | None,
         speculative: str | None, threads: int | None, **opts) -> None:
