@@ -133,8 +133,8 @@ def turn_aligned(backend: Backend) -> bool:
             and backend.window is None)
 
 
-def reply_spans(tokenizer: Tokenizer, messages: list[dict[str, str]],
-                ids: Sequence[int] | None = None) -> list[tuple[int, int]]:
+def reply_spans(tokenizer: Tokenizer, messages: list[dict[str, str]], ids: Sequence[int] | None = None,
+                memo: dict | None = None) -> list[tuple[int, int]]:
     """[start, end) of each assistant turn in `ids` (default: the conversation's own, `encode_messages`):
     start is the length of the prompt that asked for the reply, end the length of the history rendered
     up to and including the turn (the reply and the template's end-of-turn marks). A turn whose
@@ -143,27 +143,34 @@ def reply_spans(tokenizer: Tokenizer, messages: list[dict[str, str]],
     These are where a session's calls start and end on a turn-aligned backend (`turn_aligned`): a turn
     feeds [previous turn's end, its prompt's end) in one call, and once the reply is written the
     assistant turn itself in one call (`Session._settle_reply`); a stateless run of the same history fed
-    in the same calls (`conversation_cuts`) computes every row bit for bit as the session did."""
+    in the same calls (`conversation_cuts`) computes every row bit for bit as the session did.
+
+    `memo`: renderings of earlier turns kept between calls (a session's: each turn then renders only
+    its own, not the whole history again)."""
     ids = list(ids) if ids is not None else encode_messages(tokenizer, messages)
-    spans = []
+    memo = memo if memo is not None else {}
+    spans, key = [], ()
     for i, m in enumerate(messages):
+        key = (*key, (m["role"], m["content"]))
         if m["role"] != "assistant" or i == 0:
             continue
-        prompt = encode_messages(tokenizer, messages[:i])
-        turn = tokenizer.encode(tokenizer.apply_chat_template(messages[:i + 1], add_generation_prompt=False),
-                                add_special_tokens=False)
-        start, end = len(prompt), len(turn)
-        if start < end <= len(ids) and ids[:end] == turn and turn[:start] == prompt:
-            spans.append((start, end))
+        if key not in memo:
+            prompt = encode_messages(tokenizer, messages[:i])
+            turn = tokenizer.encode(tokenizer.apply_chat_template(messages[:i + 1], add_generation_prompt=False),
+                                    add_special_tokens=False)
+            memo[key] = (len(prompt), turn if turn[:len(prompt)] == prompt else None)
+        start, turn = memo[key]
+        if turn is not None and start < len(turn) <= len(ids) and ids[:len(turn)] == turn:
+            spans.append((start, len(turn)))
     return spans
 
 
-def conversation_cuts(engine: Engine, messages: list[dict[str, str]]) -> tuple[int, ...]:
+def conversation_cuts(engine: Engine, messages: list[dict[str, str]], memo: dict | None = None) -> tuple[int, ...]:
     """Where a stateless run of `messages` cuts its prefill to make a session's calls on `engine`'s
     backend (`Engine.stream_ids(cuts=...)`); none where the backend's rows do not depend on them."""
     if not turn_aligned(engine.backend):
         return ()
-    return tuple(sorted({x for span in reply_spans(engine.tokenizer, messages) for x in span}))
+    return tuple(sorted({x for span in reply_spans(engine.tokenizer, messages, memo=memo) for x in span}))
 
 
 class Session:
@@ -178,6 +185,7 @@ class Session:
         self.cached: list[int] = []  # ids the backend holds at positions 0.. (while this session owns it)
         self.prefilled = 0  # cached[:prefilled] were computed by prefills, the rest by decode steps
         self._aligned = False  # the last turn was fed in turn-aligned calls (`turn_aligned`)
+        self._memo: dict = {}  # `reply_spans`' renderings of this conversation's turns
         self.last = TurnStats()
 
     @property
@@ -190,6 +198,7 @@ class Session:
     def reset(self) -> None:
         """Forget the conversation (the cache is overwritten by the next turn)."""
         self.messages, self.transcript, self.cached, self.prefilled, self.last = [], "", [], 0, TurnStats()
+        self._memo.clear()
 
     # ---- turns ----
     def chat(self, message: str, max_tokens: int = 128, **kw: Any) -> Iterator[str]:
@@ -237,7 +246,7 @@ class Session:
         if self._aligned:
             # Rows are kept only up to a call boundary of a stateless run of this history, and only as a
             # prefill computed them (`prefilled`: the settled reply, or the prompt of an unsettled one).
-            cuts = conversation_cuts(self.engine, history)
+            cuts = conversation_cuts(self.engine, history, self._memo)
             keep = max((c for c in (0, *cuts) if c <= min(keep, self.prefilled)), default=0)
         result = result if result is not None else Generation("", [], "length")
         produced: list[int] = []
@@ -298,7 +307,7 @@ class Session:
         the cache holds what a stateless run's call computes."""
         engine, backend = self.engine, self.engine.backend
         ids = encode_messages(engine.tokenizer, self.messages)
-        spans = reply_spans(engine.tokenizer, self.messages, ids)
+        spans = reply_spans(engine.tokenizer, self.messages, ids, self._memo)
         if not spans or not engine._lock.acquire(blocking=False):
             return 0.0
         try:
