@@ -142,7 +142,7 @@ def reply_spans(tokenizer: Tokenizer, messages: list[dict[str, str]], ids: Seque
 
     These are where a session's calls start and end on a turn-aligned backend (`turn_aligned`): a turn
     feeds [previous turn's end, its prompt's end) in one call, and once the reply is written the
-    assistant turn itself in one call (`Session._settle_reply`); a stateless run of the same history fed
+    assistant turn itself in one call (`Session._settle`); a stateless run of the same history fed
     in the same calls (`conversation_cuts`) computes every row bit for bit as the session did.
 
     `memo`: renderings of earlier turns kept between calls (a session's: each turn then renders only
@@ -279,46 +279,47 @@ class Session:
         self.last.settle_s = self._settle()  # only after a reply that ran to its end
 
     def _settle(self) -> float:
-        """Prefill the decoded tail of the cache again, from the last whole chunk of the backend's grid,
-        where decode steps round differently from a prefill (module docstring); the seconds it took,
-        0.0 when there was nothing to do."""
-        engine, backend = self.engine, self.engine.backend
-        if self._aligned:
-            return self._settle_reply()
+        """Prefill again what decode steps computed, where they round differently from a prefill (module
+        docstring): on a turn-aligned backend the assistant turn just written, as the next turn renders
+        it; on a grid, the decoded tail from the last whole chunk of the grid. The seconds it took, 0.0
+        when there was nothing to do."""
+        backend = self.engine.backend
         grid = getattr(backend, "prefill_grid", None)
-        if not (self.exact and grid and backend.window is None):
+        if self._aligned:
+            target = self._written_turn()
+        elif self.exact and grid and backend.window is None and self.prefilled < len(self.cached):
+            target = self.prefilled // grid * grid, self.cached  # a partial chunk of the grid is fed again
+        else:
+            target = None
+        return self._refeed(*target) if target is not None else 0.0
+
+    def _written_turn(self) -> tuple[int, list[int]] | None:
+        """(start, ids) of the assistant turn just written, as the next turn renders it (`reply_spans`:
+        the reply's ids as the template writes them, and its end-of-turn marks); None where the cache
+        does not hold its prompt as rendered (a retokenized turn)."""
+        tokenizer = self.engine.tokenizer
+        ids = encode_messages(tokenizer, self.messages)
+        spans = reply_spans(tokenizer, self.messages, ids, self._memo)
+        if not spans:
+            return None
+        start, end = spans[-1]
+        if self.prefilled < start or ids[:start] != self.cached[:start]:
+            return None
+        return start, ids[:end]
+
+    def _refeed(self, start: int, ids: list[int]) -> float:
+        """Feed ids[start:] again at `start` as one prefill; the cache then holds `ids`, all prefilled.
+        Not if another stream holds the engine or its cache (the next turn prefills what is left)."""
+        engine, backend = self.engine, self.engine.backend
+        if not engine._lock.acquire(blocking=False):
             return 0.0
-        if self.prefilled >= len(self.cached) or not engine._lock.acquire(blocking=False):
-            return 0.0  # nothing decoded; or another stream took the engine: the next turn prefills the tail
         try:
             if engine.cache_owner is not self:
                 return 0.0
             t0 = time.perf_counter()
-            start = self.prefilled // grid * grid  # a partial chunk of the grid is fed again with the tail
-            last_logits(backend, self.cached[start:], start)
-            self.prefilled = len(self.cached)
-            return time.perf_counter() - t0
-        finally:
-            engine._lock.release()
-
-    def _settle_reply(self) -> float:
-        """Turn-aligned (`reply_spans`): feed the assistant turn just written again as one call, as the
-        next turn renders it (the reply's ids as the template writes them, and its end-of-turn marks), so
-        the cache holds what a stateless run's call computes."""
-        engine, backend = self.engine, self.engine.backend
-        ids = encode_messages(engine.tokenizer, self.messages)
-        spans = reply_spans(engine.tokenizer, self.messages, ids, self._memo)
-        if not spans or not engine._lock.acquire(blocking=False):
-            return 0.0
-        try:
-            start, end = spans[-1]
-            if (engine.cache_owner is not self or self.prefilled < start or end <= start
-                    or ids[:start] != self.cached[:start]):
-                return 0.0  # the prompt is not the one the cache holds (another stream, a retokenized turn)
-            t0 = time.perf_counter()
             backend.rollback(start)
-            last_logits(backend, ids[start:end], start)
-            self.cached, self.prefilled = ids[:end], end
+            last_logits(backend, ids[start:], start)
+            self.cached, self.prefilled = list(ids), len(ids)
             return time.perf_counter() - t0
         finally:
             engine._lock.release()
