@@ -165,12 +165,14 @@ def reply_spans(tokenizer: Tokenizer, messages: list[dict[str, str]], ids: Seque
     return spans
 
 
-def conversation_cuts(engine: Engine, messages: list[dict[str, str]], memo: dict | None = None) -> tuple[int, ...]:
-    """Where a stateless run of `messages` cuts its prefill to make a session's calls on `engine`'s
-    backend (`Engine.stream_ids(cuts=...)`); none where the backend's rows do not depend on them."""
+def conversation_cuts(engine: Engine, messages: list[dict[str, str]], memo: dict | None = None,
+                      ids: Sequence[int] | None = None) -> tuple[int, ...]:
+    """Where a stateless run of `messages` (rendered as `ids`, if already at hand) cuts its prefill to
+    make a session's calls on `engine`'s backend (`Engine.stream_ids(cuts=...)`); none where the
+    backend's rows do not depend on them."""
     if not turn_aligned(engine.backend):
         return ()
-    return tuple(sorted({x for span in reply_spans(engine.tokenizer, messages, memo=memo) for x in span}))
+    return tuple(sorted({x for span in reply_spans(engine.tokenizer, messages, ids, memo) for x in span}))
 
 
 class Session:
@@ -246,7 +248,7 @@ class Session:
         if self._aligned:
             # Rows are kept only up to a call boundary of a stateless run of this history, and only as a
             # prefill computed them (`prefilled`: the settled reply, or the prompt of an unsettled one).
-            cuts = conversation_cuts(self.engine, history, self._memo)
+            cuts = conversation_cuts(self.engine, history, self._memo, ids)
             keep = max((c for c in (0, *cuts) if c <= min(keep, self.prefilled)), default=0)
         result = result if result is not None else Generation("", [], "length")
         produced: list[int] = []
@@ -303,8 +305,8 @@ class Session:
         if not spans:
             return None
         start, end = spans[-1]
-        if self.prefilled < start or ids[:start] != self.cached[:start]:
-            return None
+        if start != self.prefilled or ids[:start] != self.cached[:start]:
+            return None  # not this reply's span (its turn renders otherwise), or not the prompt the cache holds
         return start, ids[:end]
 
     def _refeed(self, start: int, ids: list[int]) -> float:
