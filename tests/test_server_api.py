@@ -9,6 +9,7 @@ import threading
 import time
 
 import httpx
+import numpy as np
 import pytest
 
 openai = pytest.importorskip("openai")
@@ -461,6 +462,43 @@ def test_per_slot_steps_feed_sequences_in_slot_order():
             alone = executor.execute(StepPlan((), (SeqWork(seq_id, tuple(ids[:n]), 0, 1, ()),))).logits[seq_id]
             assert int(alone.argmax()) == int(logits[seq_id].argmax())
             storage.release(seq_id)
+    finally:
+        executor.close()
+
+
+def test_a_new_sequence_fills_the_hole_between_live_streams_and_the_kept_prompt_moves_intact():
+    """Per-slot, each run of consecutive live slots is its own micro-batch, so a new sequence takes the
+    slot that joins its live neighbours even where a finished prompt is kept: the prompt moves to a free
+    stream out of the way, and a request that takes it over later reads the same cells bit for bit."""
+    from edgefinfer.runtime.kv.paged_manager import RetainedPrefix
+    from edgefinfer.server_gpu.interface import SeqWork, StepPlan
+
+    engine, _ = build_engine(ServeOptions(MODEL, max_num_seqs=5, max_model_len=64, threads=1))
+    executor = engine.executor
+    try:
+        storage = executor.storage
+        ids = engine.tokenizer.encode("The lighthouse keeper climbed the stairs at dusk")
+
+        def last_logits(seq_id, start):  # the prompt's last token fed on top of its first `start` ones
+            work = SeqWork(seq_id, tuple(ids[start:]), start, 1, ())
+            return executor.execute(StepPlan((), (work,))).logits[seq_id].copy()
+
+        fresh = {}
+        for seq_id in (10, 11, 12):  # slots 0, 1, 2
+            executor.execute(StepPlan((), (SeqWork(seq_id, tuple(ids[:-1]), 0, 0, ()),)))
+            assert storage.slot(seq_id) == seq_id - 10
+        fresh[11] = last_logits(11, len(ids) - 1)
+        kept = RetainedPrefix(1)
+        storage.retain(11, kept, len(ids) - 1)  # seq 11 finished; its prompt stays in slot 1
+        assert storage.slot(13) == 1  # joins slots 0 and 2: one run, not 0-2 and 3
+        assert storage.slot(kept) == 4 and storage.moves == 1  # the free stream farthest from 0-1-2
+        assert storage.slot(14) == 3  # next to the run; slot 4 keeps the prompt
+        storage.release(14)
+        storage.adopt(kept, 15, len(ids) - 1)  # a request that starts with the kept prompt takes it over
+        assert storage.slot(15) == 4
+        assert np.array_equal(last_logits(15, len(ids) - 1), fresh[11])  # the moved cells, unchanged
+        storage.release(12)
+        assert storage.slot(16) == 2 and storage.moves == 1  # a free slot next to the run: no move
     finally:
         executor.close()
 
