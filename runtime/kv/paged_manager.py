@@ -59,7 +59,9 @@ Rules, each with its reason:
   once, and so is one that an eviction would leave holding what another holds. So
   every cached block is held by a retained prefix and every block of a retained prefix is cached or
   in use: the manager's free count stays the storage's real free memory, which is what lets
-  llama.cpp's unified cell pool be sized and admitted by the manager alone.
+  llama.cpp's unified cell pool be sized and admitted by the manager alone. (With `adopt_retained`,
+  per-slot streams that are memory of their own each, a retained prefix may name the cache's copy of
+  a block that its own stream computed again: `_registered_run`.)
 - With a sliding window of W tokens (`sliding_window`, Mistral's rule: a query at position q sees
   q-W+1 .. q), `append` first drops the blocks that lie wholly before the window of its first new
   token (vLLM's `remove_skipped_blocks`): their block-table entries become `NULL_BLOCK`, and the
@@ -641,12 +643,20 @@ class PagedKVManager:
         return b if self.pool.register(b, self._hash_fn(parent, tuple(seq.token_ids[start:start + r]))) else None
 
     def _registered_run(self, seq: _Seq) -> list[int]:
-        """The leading blocks of `seq` that are the cache's own copy of their content: what a
-        retained prefix of it can keep (a block computed twice is indexed under its first copy)."""
+        """The leading blocks of `seq` that the cache indexes: what a retained prefix of it can keep.
+
+        A block computed twice is indexed under its first copy. Where each sequence owns its storage
+        (`adopt_retained`: llama.cpp's per-slot streams), the retained prefix's table names that copy
+        and its own stream holds the tokens, so a prompt computed afresh beside a shared header is
+        kept too; elsewhere the run stops at the first block that is not the cache's own copy. (Per
+        slot, a prompt that was not kept cost the next run of the same chats a full prefill each: their
+        misses took other chats' streams in turn, bench/server.py's `repeated` after `chat-header`.)"""
         run = []
         for b, h in zip(seq.block_ids[:seq.num_computed // self.block_size], seq.block_hashes):
             if self.pool.block_hash(b) != h:
-                break
+                b = self.pool.lookup(h) if self.adopt_retained else None
+                if b is None:
+                    break
             run.append(b)
         return run
 
@@ -718,11 +728,14 @@ class PagedKVManager:
 
     def _holders(self) -> Iterator[tuple[SeqId, list[int], int, Sequence[int]]]:
         """(id, block table, computed tokens, token ids) of every sequence whose storage may serve a
-        prefix: live ones, then retained ones most recently used first (retained ones first with
-        `adopt_retained`, where taking one over is free and copying from a live one is not)."""
+        prefix: live ones, then retained ones most recently used first. With `adopt_retained`,
+        retained ones first (taking one over is free, copying from a live one is not) and least
+        recently used first: callers keep the first of equal holders, and taking one over ends it
+        beyond the hit, so of prompts that share only a chat header the oldest goes, not the one
+        that just finished (which the same chat, sent again, would have found whole)."""
         live = ((sid, s.block_ids, s.num_computed, s.token_ids) for sid, s in self._seqs.items())
-        kept = ((rid, t, len(self._retained_tokens[rid]), self._retained_tokens[rid])
-                for rid, t in reversed(self._retained.items()))
+        order = self._retained.items() if self.adopt_retained else reversed(self._retained.items())
+        kept = ((rid, t, len(self._retained_tokens[rid]), self._retained_tokens[rid]) for rid, t in order)
         return itertools.chain(kept, live) if self.adopt_retained else itertools.chain(live, kept)
 
     def _partial_block(self, tokens: list[int], hits: list[int]) -> tuple[SeqId | None, int]:
@@ -730,7 +743,14 @@ class PagedKVManager:
         are `hits` and whose storage holds, computed, the next m tokens of `tokens` too, m as large as
         possible; (None, 0) if none. The block after the hits is not in the cache (only full blocks are),
         but a sequence's storage holds its cells token by token: a repeated prompt then computes its
-        last token only, as llama-server's slots do, instead of up to a block of tokens."""
+        last token only, as llama-server's slots do, instead of up to a block of tokens.
+
+        With `adopt_retained` the holder is taken over, which ends what it holds beyond the hit, so a
+        few more tokens matched are not worth another prompt: the first holder (`_holders`: least
+        recently used first) with any match is chosen, unless one matches the whole rest of the
+        prompt. Prompts that share a chat header and the question's first words then take over the
+        oldest kept prompt, not the one of their kind that finished last (bench/server.py's
+        `repeated`: a request admitted one step after others took over what they had just kept)."""
         bs, k = self.block_size, len(hits)
         start = k * bs
         limit = min(bs, len(tokens) - 1 - start)  # the last prompt token is always computed
@@ -744,7 +764,7 @@ class PagedKVManager:
             m, stop = 0, min(limit, num_computed - start)
             while m < stop and held[start + m] == want[m]:
                 m += 1
-            if m > best_m:
+            if m == limit or (m > best_m and not (self.adopt_retained and best_m)):
                 best, best_m = sid, m
                 if m == limit:
                     break
