@@ -431,6 +431,25 @@ def test_per_slot_streams_take_over_retained_prefixes():
     d.free("T")
 
 
+def test_a_similar_prompt_takes_over_the_oldest_kept_prompt_not_the_closest():
+    """Taking a kept prompt over ends it beyond the hit, so of the prompts that share a chat header, a
+    request that completes none of them takes the least recently used, even where a newer one matches
+    a token more; the newer chat, sent again, still finds all of itself."""
+    d = Driver(32, builtin_block_hash, per_sequence_storage=True, retain_prefixes=4, adopt_retained=True)
+    m = d.m
+    header = [1, 2, 3, 4, 5, 6]  # a whole block and two tokens
+    old, recent = header + [50, 51, 52], header + [9, 8, 8]
+    d.allocate("A", old)
+    m.mark_computed("A")
+    d.allocate("B", recent)
+    m.mark_computed("B")
+    ro, rr = d.free("A").retained_as, d.free("B").retained_as
+    n = d.allocate("N", header + [9, 7, 7])  # 6 tokens in common with `old`, 7 with `recent`
+    assert (n.adopted, n.prefix_source, n.num_cached_tokens) == (True, ro, 6)
+    again = d.allocate("R", recent)
+    assert (again.adopted, again.prefix_source, again.num_cached_tokens) == (True, rr, 8)
+
+
 def test_a_hit_on_little_of_a_retained_prefix_is_not_taken_over():
     """Under half of the new prompt and of what the retained prefix holds: computed afresh, the prefix kept."""
     d = Driver(32, builtin_block_hash, per_sequence_storage=True, retain_prefixes=4, adopt_retained=True)
