@@ -26,7 +26,8 @@ Two memory layouts (`kv_unified`):
   its own token count. A cross-stream `seq_cp` copies the whole stream (llama.cpp only copies full
   streams), then `seq_rm` cuts it to the shared prefix. A finished prompt stays in its stream, taken
   over by the next request that starts with it (`adopt_retained`). llama.cpp runs sequences of
-  consecutive ids in one micro-batch only, so a step feeds them in slot order (`_calls`).
+  consecutive ids in one micro-batch only, so a step feeds them in slot order (`_calls`) and a new
+  sequence takes the slot that joins running neighbours (`LlamaSeqStorage._place`).
 
 `batch_invariant` (`edgefinfer serve --batch-invariant`, per-slot only) makes a request's logits
 independent of its batch neighbours: 16 concurrent greedy requests return exactly what each returns
@@ -83,9 +84,11 @@ class LlamaSeqStorage:
         streams (retained prefixes), so the streams that requests free come back scattered. The new
         sequence takes the slot that joins the most live neighbours, the lowest on a tie; where that is
         a retained prefix's slot, the prefix first moves to a free stream that borders no live one (a
-        whole-stream copy, which llama.cpp runs before the next decode: ~50 MB for SmolLM2 at 2048
-        cells, once per request, against a micro-batch saved on each of its steps). Which prefixes
-        stay retained is the manager's choice; only where they sit changes. In a unified pool (one
+        whole-stream copy, which llama.cpp runs before the next decode: ~50 MB, ~7 ms for SmolLM2 at
+        2048 cells, once per request, against a micro-batch saved on each of its steps). Which
+        prefixes stay retained is the manager's choice; only where they sit changes. (A swap-in
+        writes a stream at once, before such a copy would run; per slot the executor keeps no
+        retained prefixes with swap preemption, so nothing moves there.) In a unified pool (one
         stream) the slot is only a sequence id: the lowest free one."""
         if self.unified:
             s = min(self._free)
