@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Iterable, TextIO
 
 import click
 
+from edgefinfer.app.cli import prefill_grid_option
 from edgefinfer.errors import UserError
 
 if TYPE_CHECKING:
@@ -157,10 +158,7 @@ def run_interactive(chat: Chat) -> None:
 @click.option("--speculative", default=None, help="draft:PATH[,K] | lookup[:NGRAM][,K].")
 @click.option("--max-seq-len", type=click.IntRange(1), default=None, help="Context (tokens) of the cache.")
 @click.option("--threads", type=int, default=None, help="Intra-op threads.")
-@click.option("--prefill-grid", type=click.IntRange(1), default=None, metavar="N",
-              help="ExecuTorch: feed prompts in calls aligned to N tokens, so a prompt's logits do not depend on how "
-                   "it was split (chat sessions equal stateless runs without it too, by feeding turn-aligned calls; "
-                   "the grid also covers plain-text prompts; prefill is slower).")
+@prefill_grid_option
 @click.option("--messages", "messages", default=None, metavar="FILE",
               help="Non-interactive: messages and /commands one per line from FILE (- for stdin).")
 @click.option("--session", "session_file", default=None, metavar="FILE", help="Start from a saved session.")

@@ -101,6 +101,14 @@ def eval_(model: str, split: str, window: int, stride: int, max_tokens: int, thr
                    f"(window {window}, stride {stride}, {result.seconds:.1f}s)")
 
 
+# `run` and `chat` (edgefinfer.app.chat_command) alike.
+prefill_grid_option = click.option(
+    "--prefill-grid", type=click.IntRange(1), default=None, metavar="N",
+    help="ExecuTorch: feed prompts in calls aligned to N tokens, so a prompt's logits do not depend on how it was "
+         "split (chat sessions equal stateless runs without it too, by feeding turn-aligned calls; the grid also "
+         "covers plain-text prompts; prefill is slower).")
+
+
 def _sampling_options(f):
     """Options shared by `generate` and `run`."""
     for opt in reversed([
@@ -186,10 +194,7 @@ def generate(model: str, prompt: str, kv: str | None, speculative: str | None, t
 @click.option("-p", "--prompt", default=None, help="Prompt text; without it, an interactive chat starts.")
 @click.option("--backend", type=click.Choice(["executorch", "onnxruntime", "llamacpp", "torch"]), default=None,
               help="Force a backend (default: the bundle's).")
-@click.option("--prefill-grid", type=click.IntRange(1), default=None, metavar="N",
-              help="ExecuTorch: feed prompts in calls aligned to N tokens, so a prompt's logits do not depend on how "
-                   "it was split (chat sessions equal stateless runs without it too, by feeding turn-aligned calls; "
-                   "the grid also covers plain-text prompts; prefill is slower).")
+@prefill_grid_option
 @_sampling_options
 def run(bundle: str, prompt: str | None, backend: str | None, prefill_grid: int | None, kv: str | None,
         speculative: str | None, threads: int | None, **opts) -> None:
