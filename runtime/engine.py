@@ -119,7 +119,9 @@ def open_backend(path: str | Path, kind: str | None = None, kv: KVOption = KVOpt
         # before its native load (or when it returns, for one that has none).
         _import_runtime(src.backend)
         native_load = threading.Event()
-        tokenizer = _Background(_after, native_load, src.tokenizer)
+        own_vocab = src.backend == "llamacpp" and (src.folder / "tokenizer.json").is_file()
+        # On llama.cpp the GGUF's own vocabulary tokenizes (llamacpp_tokenizer): nothing to parse.
+        tokenizer = None if own_vocab else _Background(_after, native_load, src.tokenizer)
         try:
             if src.entry.format == "qnn-context":  # static graphs: QNN EP (HTP / emulator) or CPU EP, see open_qnn
                 from edgefinfer.runtime.backends.ort import open_qnn
@@ -137,7 +139,12 @@ def open_backend(path: str | Path, kind: str | None = None, kv: KVOption = KVOpt
         finally:
             native_load.set()  # a backend that failed or never called it: the parse is not left waiting
         info = {"bundle": src.manifest.target, "artefact": src.entry.path, "sha256": src.entry.sha256}
-        tokenizer = tokenizer.result()
+        if own_vocab:
+            from edgefinfer.runtime.backends.llamacpp_tokenizer import LlamaVocabTokenizer
+
+            tokenizer = LlamaVocabTokenizer(backend.model, src.folder)
+        else:
+            tokenizer = tokenizer.result()
     else:
         backend = _open(src.path, src.backend, kv, threads, max_seq_len, prefill_grid=prefill_grid)
         info = {"artefact": str(src.path)}

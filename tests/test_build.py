@@ -14,7 +14,10 @@ from edgefinfer.bundle.manifest import load_manifest
 from edgefinfer.model.checkpoint import save_model
 from edgefinfer.errors import UserError
 from edgefinfer.runtime.engine import Engine
+from edgefinfer.tokenization.tokenizer import Tokenizer
 from tests.helpers import tiny_model, tiny_tokenizer
+
+TINY_TEXT = "It is a truth universally acknowledged, 12 naïve café ✓ 你好.\n  <|im_start|>user\nhi<|im_end|>"
 
 
 def cli(*args, **kw):
@@ -58,8 +61,14 @@ def test_bundle_runs_in_its_runtime(tmp_path, tiny_dir, target, artefact):
     assert art.path == artefact and art.size > 0 and len(art.sha256) == 64
     assert manifest.metrics["ppl"] > 0 and abs(manifest.metrics["ppl_delta_pct"]) < 10
     assert manifest.tools["torch"] and manifest.recipe["name"]
-    out = Engine.load(tmp_path / "b").generate("It is a truth", max_tokens=12)
+    engine = Engine.load(tmp_path / "b")
+    out = engine.generate("It is a truth", max_tokens=12)
     assert out.stats.generated_tokens == 12
+    if target == "gpu-server":  # llama.cpp splits with the GGUF's vocabulary, as tokenizer.json would
+        ours = Tokenizer.from_dir(tiny_dir)
+        assert engine.tokenizer.encode(TINY_TEXT) == ours.encode(TINY_TEXT)
+        assert engine.tokenizer.decode(out.token_ids) == ours.decode(out.token_ids) == out.text
+        assert engine.tokenizer._backend is None  # tokenizer.json was never parsed
 
 
 def test_quality_budget_takes_the_smallest_recipe_its_runtime_confirms(tmp_path, tiny_dir):

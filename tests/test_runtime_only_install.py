@@ -95,8 +95,9 @@ import atexit, runpy, sys
 HEAVY = ("torch", "onnxruntime", "gguf", "transformers", "executorch")
 # What only an exporter needs (ExecuTorch's Python wrappers import them: seconds of a .pte's start).
 EXPORTERS = ("executorch.exir", "torch._inductor", "torch._dynamo")
-# What a plain prompt never uses: llama-cpp-python's high-level `Llama`, a chat template's jinja2.
-UNUSED = ("llama_cpp.llama", "jinja2")
+# What a plain prompt does not need: llama-cpp-python's high-level `Llama` and a chat template's jinja2
+# never; tokenizers not on a GGUF bundle (the GGUF's own vocabulary splits, llamacpp_tokenizer).
+UNUSED = ("llama_cpp.llama", "jinja2", "tokenizers")
 atexit.register(lambda: sys.stderr.write("\\nLOADED " + ",".join(sorted({m.split(".")[0] for m in sys.modules
                                                                          if m.split(".")[0] in HEAVY}))
                                          + " EXPORTERS " + ",".join(sorted({e for e in EXPORTERS for m in sys.modules
@@ -115,6 +116,17 @@ def gguf_file(tmp_path_factory):
     from tests.server_harness import tiny_gguf
 
     return tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+
+
+@pytest.fixture(scope="module")
+def gguf_bundle(tmp_path_factory):
+    pytest.importorskip("llama_cpp")
+    root = tmp_path_factory.mktemp("gpu")
+    tok = tiny_tokenizer(320)  # its config names its EOS, as a real model's does (else gguf-py reads the file's)
+    save_model(tiny_model(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128,
+                          max_position_embeddings=256, eos_token_id=tok.eos_id), root / "m")
+    tok.save(root / "m")
+    return build(BuildOptions(target="gpu-server", model=root / "m", out=root / "bundle", eval_tokens=0))
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +149,7 @@ def pte_file(tmp_path_factory):
 # A bare GGUF has no tokenizer.json beside it: gguf-py reads its tokenizer from the file. A .pte needs torch
 # (ExecuTorch's runtime extension links libtorch) but nothing of an exporter.
 @pytest.mark.parametrize("artefact, allowed", [("onnx_bundle", {"onnxruntime"}), ("gguf_file", {"gguf"}),
-                                               ("pte_file", {"torch", "executorch"})])
+                                               ("gguf_bundle", set()), ("pte_file", {"torch", "executorch"})])
 def test_run_loads_only_the_runtime_it_needs(request, artefact, allowed):
     from edgefinfer.runtime.engine import Engine
 
@@ -152,7 +164,7 @@ def test_run_loads_only_the_runtime_it_needs(request, artefact, allowed):
     loaded = set(loaded_text.split(",")) - {""}
     assert loaded == allowed, proc.stderr  # no torch: greedy decoding on ONNX Runtime and llama.cpp needs none
     assert exporters == "", proc.stderr
-    assert unused == "", proc.stderr
+    assert unused == ("" if artefact == "gguf_bundle" else "tokenizers"), proc.stderr
     expect = Engine.load(path, threads=1).generate(prompt, max_tokens=8)
     assert expect.token_ids
     assert proc.stdout == expect.text + "\n"  # the same tokens as the Engine in-process

@@ -10,20 +10,19 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tokenizers import Tokenizer as HFTokenizer
-
 from edgefinfer.errors import UserError
 from edgefinfer.files.untrusted import MAX_TOKENIZER_BYTES, check_file_size, read_json
 
 if TYPE_CHECKING:
     import jinja2
+    from tokenizers import Tokenizer as HFTokenizer
 
 
 class Tokenizer:
     def __init__(self, backend: HFTokenizer, bos_token: str | None = None, eos_token: str | None = None,
                  chat_template: str | None = None, add_bos_token: bool | None = None,
                  tokenizer_class: str = "PreTrainedTokenizerFast"):
-        self.backend = backend
+        self._backend = backend
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.chat_template = chat_template
@@ -32,6 +31,11 @@ class Tokenizer:
         # picks code paths by it, edgefinfer.compile.runner_tokenizer), so a loaded folder's is not kept.
         self.tokenizer_class = tokenizer_class
 
+    @property
+    def backend(self) -> HFTokenizer:
+        """The `tokenizers` object (a grammar compiler reads its vocabulary from it)."""
+        return self._backend
+
     # ---- loading and saving -----------------------------------------------------------------------
     @classmethod
     def from_dir(cls, path: str | Path) -> "Tokenizer":
@@ -39,30 +43,20 @@ class Tokenizer:
         tok_file = folder / "tokenizer.json"
         if not tok_file.is_file():
             raise UserError(f"{folder} has no tokenizer.json; edgefinfer needs a fast (tokenizers) tokenizer")
-        fix = "fix it or re-download the model's tokenizer files"
-        check_file_size(tok_file, MAX_TOKENIZER_BYTES, fix)
+        check_file_size(tok_file, MAX_TOKENIZER_BYTES, _FIX)
+        from tokenizers import Tokenizer as HFTokenizer  # here: a GGUF run by llama.cpp never needs it
+
         try:
             backend = HFTokenizer.from_file(str(tok_file))
         except Exception as e:  # tokenizers raises a bare Exception on malformed files
-            raise UserError(f"{tok_file} could not be read: {str(e).splitlines()[0][:160]}; {fix}") from None
-        cfg_file = folder / "tokenizer_config.json"
-        cfg = read_json(cfg_file, fix) if cfg_file.is_file() else {}
-        for key in ("bos_token", "eos_token"):
-            if cfg.get(key) is not None and _token_text(cfg[key]) is None:
-                raise UserError(f"{cfg_file}: {key} is neither a string nor {{\"content\": string}}; {fix}")
-        if not isinstance(cfg.get("chat_template"), (str, type(None))):
-            raise UserError(f"{cfg_file}: chat_template is not a string; {fix}")
-        if not isinstance(cfg.get("add_bos_token"), (bool, type(None))):
-            raise UserError(f"{cfg_file}: add_bos_token is not true or false; {fix}")
-        template = cfg.get("chat_template")
-        if (folder / "chat_template.jinja").is_file():
-            template = (folder / "chat_template.jinja").read_text()
-        return cls(backend, _token_text(cfg.get("bos_token")), _token_text(cfg.get("eos_token")), template,
-                   cfg.get("add_bos_token"))
+            raise UserError(f"{tok_file} could not be read: {str(e).splitlines()[0][:160]}; {_FIX}") from None
+        return cls(backend, **read_special_tokens(folder))
 
     def with_backend_json(self, tokenizer_json: dict[str, Any], tokenizer_class: str | None = None) -> "Tokenizer":
         """The same special tokens and chat template over another tokenizer.json (e.g. one rewritten
         into the forms a device runtime's tokenizer implements), under `tokenizer_class` if given."""
+        from tokenizers import Tokenizer as HFTokenizer
+
         return Tokenizer(HFTokenizer.from_str(json.dumps(tokenizer_json)), self.bos_token, self.eos_token,
                          self.chat_template, self.add_bos_token, tokenizer_class or self.tokenizer_class)
 
@@ -155,6 +149,28 @@ class IncrementalDecoder:
             return ""  # nothing new yet, or an incomplete character at the end: wait for the next token
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return text[len(prefix):]
+
+
+_FIX = "fix it or re-download the model's tokenizer files"
+
+
+def read_special_tokens(folder: Path) -> dict[str, Any]:
+    """A HF folder's special tokens and chat template (tokenizer_config.json, chat_template.jinja) as
+    `Tokenizer`'s keyword arguments; a one-line UserError where a field has the wrong type."""
+    cfg_file = folder / "tokenizer_config.json"
+    cfg = read_json(cfg_file, _FIX) if cfg_file.is_file() else {}
+    for key in ("bos_token", "eos_token"):
+        if cfg.get(key) is not None and _token_text(cfg[key]) is None:
+            raise UserError(f"{cfg_file}: {key} is neither a string nor {{\"content\": string}}; {_FIX}")
+    if not isinstance(cfg.get("chat_template"), (str, type(None))):
+        raise UserError(f"{cfg_file}: chat_template is not a string; {_FIX}")
+    if not isinstance(cfg.get("add_bos_token"), (bool, type(None))):
+        raise UserError(f"{cfg_file}: add_bos_token is not true or false; {_FIX}")
+    template = cfg.get("chat_template")
+    if (folder / "chat_template.jinja").is_file():
+        template = (folder / "chat_template.jinja").read_text()
+    return {"bos_token": _token_text(cfg.get("bos_token")), "eos_token": _token_text(cfg.get("eos_token")),
+            "chat_template": template, "add_bos_token": cfg.get("add_bos_token")}
 
 
 def _token_text(token: Any) -> str | None:

