@@ -96,7 +96,7 @@ HEAVY = ("torch", "onnxruntime", "gguf", "transformers", "executorch")
 # What only an exporter needs (ExecuTorch's Python wrappers import them: seconds of a .pte's start).
 EXPORTERS = ("executorch.exir", "torch._inductor", "torch._dynamo")
 # What a plain prompt does not need: llama-cpp-python's high-level `Llama` and a chat template's jinja2
-# never; tokenizers not on a GGUF bundle (the GGUF's own vocabulary splits, llamacpp_tokenizer).
+# never; tokenizers not on a GGUF (its own vocabulary splits, llamacpp_tokenizer).
 UNUSED = ("llama_cpp.llama", "jinja2", "tokenizers")
 atexit.register(lambda: sys.stderr.write("\\nLOADED " + ",".join(sorted({m.split(".")[0] for m in sys.modules
                                                                          if m.split(".")[0] in HEAVY}))
@@ -146,9 +146,9 @@ def pte_file(tmp_path_factory):
     return root / "model.pte"
 
 
-# A bare GGUF has no tokenizer.json beside it: gguf-py reads its tokenizer from the file. A .pte needs torch
+# A GGUF, bare or in a bundle, is tokenized by llama.cpp (neither gguf-py nor tokenizers). A .pte needs torch
 # (ExecuTorch's runtime extension links libtorch) but nothing of an exporter.
-@pytest.mark.parametrize("artefact, allowed", [("onnx_bundle", {"onnxruntime"}), ("gguf_file", {"gguf"}),
+@pytest.mark.parametrize("artefact, allowed", [("onnx_bundle", {"onnxruntime"}), ("gguf_file", set()),
                                                ("gguf_bundle", set()), ("pte_file", {"torch", "executorch"})])
 def test_run_loads_only_the_runtime_it_needs(request, artefact, allowed):
     from edgefinfer.runtime.engine import Engine
@@ -164,7 +164,7 @@ def test_run_loads_only_the_runtime_it_needs(request, artefact, allowed):
     loaded = set(loaded_text.split(",")) - {""}
     assert loaded == allowed, proc.stderr  # no torch: greedy decoding on ONNX Runtime and llama.cpp needs none
     assert exporters == "", proc.stderr
-    assert unused == ("" if artefact == "gguf_bundle" else "tokenizers"), proc.stderr
+    assert unused == ("" if artefact.startswith("gguf") else "tokenizers"), proc.stderr
     expect = Engine.load(path, threads=1).generate(prompt, max_tokens=8)
     assert expect.token_ids
     assert proc.stdout == expect.text + "\n"  # the same tokens as the Engine in-process
@@ -216,3 +216,49 @@ def test_backends_call_native_load_once_before_loading(request, artefact):
 
         OrtBackend(path, threads=1, native_load=lambda: calls.append(1))
     assert calls == [1]
+
+
+def test_run_starts_loading_a_gguf_bundle_before_importing_numpy(gguf_bundle):
+    """`edgefinfer run` starts llama.cpp's load of a GGUF bundle in a thread before numpy and the runtime
+    import, and the Engine takes that model instead of loading the file again."""
+    code = f"""
+import sys
+from edgefinfer.runtime.backends import llamacpp_lib
+from edgefinfer.runtime.early import start_loading
+start_loading({str(gguf_bundle)!r}, None)
+print("early", sorted(map(str, llamacpp_lib._early)), "numpy" in sys.modules)
+taken = []
+real = llamacpp_lib.take_early_load
+def take(path):
+    model = real(path)
+    taken.append(model is not None)
+    return model
+import edgefinfer.runtime.backends.llamacpp_binding as binding
+binding.take_early_load = take
+from edgefinfer.runtime.engine import Engine
+out = Engine.load({str(gguf_bundle)!r}, threads=1).generate("It is a truth", max_tokens=4)
+print("taken", taken, llamacpp_lib._early, out.token_ids)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    early, taken = proc.stdout.splitlines()
+    assert early == f"early ['{(gguf_bundle / 'model.gguf').resolve()}'] False"
+    from edgefinfer.runtime.engine import Engine
+
+    expect = Engine.load(gguf_bundle, threads=1).generate("It is a truth", max_tokens=4).token_ids
+    assert taken == f"taken [True] {{}} {expect}"
+
+
+def test_an_early_load_of_a_bad_gguf_leaves_the_error_to_the_engine(tmp_path):
+    from edgefinfer.errors import UserError
+    from edgefinfer.runtime.backends import llamacpp_lib
+    from edgefinfer.runtime.backends.llamacpp_binding import LlamaModel
+
+    pytest.importorskip("llama_cpp")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\xff" * 60)
+    llamacpp_lib.start_early_load(bad)
+    with pytest.raises(UserError) as e:
+        LlamaModel(bad)
+    assert "\n" not in str(e.value) and str(bad) in str(e.value)
+    assert llamacpp_lib.take_early_load(bad) is None  # the thread loaded nothing (the header check failed)

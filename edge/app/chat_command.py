@@ -167,11 +167,14 @@ def chat(bundle: str, backend: str | None, max_tokens: int, temperature: float, 
          threads: int | None, prefill_grid: int | None, messages: str | None, session_file: str | None) -> None:
     """Chat with BUNDLE (or a .pte / .onnx / .gguf / HF folder): streaming replies in the model's chat
     template; each turn prefills only the new tokens."""
+    from edgefinfer.runtime.early import start_loading
+
+    lines = read_lines(messages) if messages is not None else None  # a missing file fails before loading
+    start_loading(bundle, backend)  # a GGUF's weights load while the runtime imports
     from edgefinfer.libraries.quiet import quiet
     from edgefinfer.runtime.engine import Engine
     from edgefinfer.decoding.sampling import SamplingParams
 
-    lines = read_lines(messages) if messages is not None else None  # a missing file fails before loading
     with quiet(load_ort=False):
         engine = Engine.load(bundle, backend=backend, kv=kv, speculative=speculative, threads=threads,
                              max_seq_len=max_seq_len, prefill_grid=prefill_grid)

@@ -199,6 +199,9 @@ def generate(model: str, prompt: str, kv: str | None, speculative: str | None, t
 def run(bundle: str, prompt: str | None, backend: str | None, prefill_grid: int | None, kv: str | None,
         speculative: str | None, threads: int | None, **opts) -> None:
     """Run a bundle (or a .pte / .onnx / .gguf / HF folder) with the on-device runtime."""
+    from edgefinfer.runtime.early import start_loading
+
+    start_loading(bundle, backend)  # a GGUF's weights load while the runtime imports
     from edgefinfer.libraries.quiet import quiet
     from edgefinfer.runtime.engine import Engine
 

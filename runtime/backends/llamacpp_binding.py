@@ -1,8 +1,8 @@
 """The project's one binding to llama.cpp (llama-cpp-python's low-level API).
 
 A loaded GGUF (`LlamaModel`), a context with its reusable `llama_batch` (`LlamaContext`: batch
-filling, `llama_decode`, and the memory operations on llama sequence ids), the import guard and the
-log silencing. Two clients sit on top:
+filling, `llama_decode`, and the memory operations on llama sequence ids); the import guard, the log
+silencing and an early start of the model load are in `llamacpp_lib`, which imports no numpy. Two clients sit on top:
 
 * the runtime's `LlamaCppBackend`: one sequence (llama seq id 0) in a one-sequence context;
 * the server's `LlamaCppExecutor` and `LlamaDraft` (`edgefinfer.server_gpu.executor_llamacpp`):
@@ -16,12 +16,7 @@ at n_ctx 2048), and it knows one sequence only.
 from __future__ import annotations
 
 import ctypes
-import importlib
-import importlib.machinery
-import importlib.util
 import os
-import sys
-import types
 import weakref
 from dataclasses import dataclass
 from collections.abc import Callable, Sequence
@@ -31,6 +26,7 @@ import numpy as np
 
 from edgefinfer.errors import UserError
 from edgefinfer.files.untrusted import GgufHeader, check_gguf
+from edgefinfer.runtime.backends.llamacpp_lib import llama_cpp_lib, silence, take_early_load
 
 KV_TYPES = {"f32": 0, "f16": 1}  # ggml_type ids
 
@@ -68,71 +64,13 @@ def runtime_cells(header: GgufHeader) -> CellFormat:
 DecodeRow = tuple[int, int, Sequence[int], int]
 
 
-def llama_cpp_lib():
-    """llama-cpp-python's ctypes bindings (`llama_cpp.llama_cpp`), or a UserError saying how to install it.
-
-    Only the bindings are loaded: the package's `__init__` also imports its high-level `Llama` (and
-    with it jinja2 and its chat formats), 0.1 s of a 0.5 s start that this module never uses. Where
-    nothing has imported the package yet, it is registered with its `__init__` deferred until another
-    name of it is asked for (`from llama_cpp import Llama` elsewhere in the process still works)."""
-    if "llama_cpp" not in sys.modules:
-        spec = importlib.util.find_spec("llama_cpp")
-        if spec is None or spec.loader is None:
-            raise UserError("llama-cpp-python is not installed: pip install 'edgefinfer[llamacpp]' (it builds "
-                            "from source, about 7 minutes; see the README for CUDA)")
-        sys.modules["llama_cpp"] = _deferred_package(spec)
-    return importlib.import_module("llama_cpp.llama_cpp")
-
-
-def _deferred_package(spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
-    """The package module of `spec` whose own `__init__` runs on the first lookup of a name it defines
-    (PEP 562's module `__getattr__`); importing its submodules does not run it."""
-    package = importlib.util.module_from_spec(spec)
-
-    def __getattr__(name: str):
-        del package.__getattr__  # the package's own names from here on
-        spec.loader.exec_module(package)
-        return getattr(package, name)
-
-    package.__getattr__ = __getattr__
-    return package
-
-
-_log_callback = None
-
-
-def _silence(lib) -> None:
-    """Route llama.cpp's log lines nowhere (they go to stderr by default). Kept alive globally: the C
-    side holds the pointer."""
-    global _log_callback
-    if _log_callback is None:
-        _log_callback = _native_discard(lib) or lib.llama_log_callback(lambda level, text, data: None)
-        lib.llama_log_set(_log_callback, None)
-        lib.llama_backend_init()
-
-
-def _native_discard(lib):
-    """A log callback that never enters Python: the C library's `abs`, or None where it cannot be found.
-
-    A Python callback takes the GIL on every line, and loading a model logs about 1,200 of them: while
-    another thread holds the GIL (a tokenizer.json parse, which holds it throughout) the load stalls at
-    the next line, so a parse beside it made it 0.29 -> 0.57-0.71 s instead of overlapping. `abs(level)`
-    reads the level argument and nothing else; the callback's return value and its two other arguments
-    are ignored, which the x86-64 and AArch64 calling conventions allow (the caller owns the argument
-    registers and discards the result)."""
-    try:
-        return ctypes.cast(ctypes.CDLL(None).abs, lib.llama_log_callback)
-    except (OSError, AttributeError, TypeError):  # no C library to open by name (Windows)
-        return None
-
-
 class LlamaModel:
     """A loaded GGUF; freed by `close` or when it is garbage (after every context made from it)."""
 
     def __init__(self, path: str | Path, gpu_layers: int = 0, native_load: Callable[[], None] | None = None):
         """native_load: called right before the native load (ctypes releases the GIL there)."""
         self.lib = lib = llama_cpp_lib()
-        _silence(lib)
+        silence(lib)
         self.path = Path(path)
         if not self.path.is_file():
             raise UserError(f"GGUF file {self.path} does not exist")
@@ -143,7 +81,8 @@ class LlamaModel:
         params.n_gpu_layers = gpu_layers
         if native_load is not None:
             native_load()
-        self.ptr = lib.llama_model_load_from_file(str(self.path).encode(), params)
+        self.ptr = (take_early_load(self.path) if gpu_layers == 0 else None) or \
+            lib.llama_model_load_from_file(str(self.path).encode(), params)
         if not self.ptr:
             raise UserError(f"llama.cpp could not load {self.path}; is it a GGUF file of a supported model?")
         # Not at interpreter exit: a daemon thread may still be inside llama_decode then.
@@ -163,10 +102,16 @@ class LlamaModel:
                                and lib.llama_model_n_swa(self.ptr) == 0 else None)
 
     def meta(self, key: str) -> str | None:
-        """A GGUF metadata value as text (None if absent)."""
-        buf = ctypes.create_string_buffer(256)
-        n = self.lib.llama_model_meta_val_str(self.ptr, key.encode(), buf, len(buf))
-        return buf.value.decode(errors="replace") if n >= 0 else None
+        """A GGUF metadata value as text (None if absent), however long (a chat template)."""
+        size = 256
+        while True:
+            buf = ctypes.create_string_buffer(size)
+            n = self.lib.llama_model_meta_val_str(self.ptr, key.encode(), buf, size)
+            if n < 0:
+                return None
+            if n < size:  # snprintf's count: the whole value fitted
+                return buf.value.decode(errors="replace")
+            size = n + 1
 
     def check_window(self, n_ctx: int, option: str) -> None:
         """Refuse a context longer than a window llama.cpp would ignore: past it, the outputs would
@@ -203,6 +148,28 @@ class LlamaModel:
             if n >= 0:
                 return buf.raw[:n].decode(errors="replace")
             size = -n
+
+    def special_token(self, which: str) -> int | None:
+        """The "bos" / "eos" / "eot" id the file names (`tokenizer.ggml.<which>_token_id`), else None:
+        llama.cpp falls back to a default id of the tokenizer type (11 for byte-level BPE), which names
+        nothing in a vocabulary of another origin."""
+        token = getattr(self.lib, f"llama_vocab_{which}")(self.vocab)
+        named = self.meta(f"tokenizer.ggml.{which}_token_id") is not None
+        return token if named and 0 <= token < self.vocab_size else None
+
+    def adds_bos(self) -> bool:
+        """Whether a text's ids start with BOS (`tokenizer.ggml.add_bos_token`, or llama.cpp's default)."""
+        return bool(self.lib.llama_vocab_get_add_bos(self.vocab))
+
+    def end_of_generation(self) -> tuple[int, ...]:
+        """The ids llama.cpp ends a generation on, EOS and EOT first: its EOG set (one pass over the
+        vocabulary), which also holds the control tokens it recognises by their text (SmolLM2's
+        <|endoftext|>) and fill-in-the-middle tokens, but not a default EOS the file does not name."""
+        eos, eot = self.special_token("eos"), self.special_token("eot")
+        default_eos = self.lib.llama_vocab_eos(self.vocab) if eos is None else None
+        is_eog = self.lib.llama_vocab_is_eog
+        found = (t for t in range(self.vocab_size) if t != default_eos and is_eog(self.vocab, t))
+        return tuple(dict.fromkeys([*(t for t in (eos, eot) if t is not None), *found]))
 
     def token_text(self, token: int) -> str:
         """The vocabulary's entry for `token` as stored (a byte-level BPE's "Ġthe", a control token's text)."""
