@@ -18,7 +18,8 @@ file's size and state ("kv": the cache itself; "tokens": ids only, the history i
 
 Start-up ("startup_rows"; `--startup` adds them to a full run, `--startup-only` measures them alone and keeps
 the file's session rows): process start to first token and peak RSS of `edgefinfer run BUNDLE -p PROMPT
---max-tokens 16` next to the peer's own runner on the same artefact, each a fresh process measured from
+--max-tokens 16` next to the peer's own runner on the same artefact (and, "ours_input": "gguf-alone", of
+`edgefinfer run model.gguf` on the gpu-server bundle's GGUF in a folder of its own, against llama.cpp's CLI), each a fresh process measured from
 outside: the clock starts before the process is spawned and stops at the first byte it writes to stdout
 (each runner streams its reply, the first token first); the peak RSS is the kernel's (`wait4`'s
 ru_maxrss, taken by a small launcher process: see LAUNCHER). Peers: on the gpu-server bundle's GGUF,
@@ -54,6 +55,9 @@ TARGETS = {"onnxruntime": "linux-x86_64", "executorch": "android"}
 STARTUP = {"llamacpp": ("gpu-server", ("llama-cpp-python (Llama)", LLAMA_CLI := "llama.cpp CLI (llama-completion)")),
            "onnxruntime": ("linux-x86_64", ("onnxruntime-genai",)),
            "executorch": ("android", ("ExecuTorch TextLLMRunner",))}
+# Also `edgefinfer run` on the gpu-server bundle's GGUF alone, in a folder of its own (no tokenizer files:
+# the tokenizer, template and stop ids are the file's), against llama.cpp's CLI on the same file.
+ALONE = {"llamacpp": LLAMA_CLI}
 STARTUP_QUESTION = "What is the capital of France?"
 STARTUP_TOKENS = 16
 RSS_HEADROOM_MIB = 250
@@ -335,13 +339,20 @@ def llama_cli_argv(bundle: Path, prompt_file: Path, threads: int) -> list[str]:
             "--no-display-prompt"]
 
 
-def run_startup(backend: str, bundle: Path, threads: int, runs: int, peer_name: str) -> dict:
+def run_startup(backend: str, bundle: Path, threads: int, runs: int, peer_name: str, ours_input: str = "bundle") -> dict:
+    """ours_input: what `edgefinfer run` is given, "bundle" or "gguf-alone" (the bundle's GGUF, linked
+    into a folder of its own)."""
     prompt = startup_prompt(bundle)
     with tempfile.TemporaryDirectory() as tmp:
         env = startup_env(Path(tmp) / "pycache")
         prompt_file = Path(tmp) / "prompt.txt"
         prompt_file.write_text(prompt)
-        ours = [sys.executable, "-m", "edgefinfer", "run", str(bundle), "-p", prompt, "--max-tokens",
+        target = bundle
+        if ours_input == "gguf-alone":
+            (Path(tmp) / "alone").mkdir()
+            target = Path(tmp) / "alone" / "model.gguf"
+            target.symlink_to(next(bundle.glob("*.gguf")).resolve())
+        ours = [sys.executable, "-m", "edgefinfer", "run", str(target), "-p", prompt, "--max-tokens",
                 str(STARTUP_TOKENS), "--threads", str(threads)]
         peer = (llama_cli_argv(bundle, prompt_file, threads) if peer_name == LLAMA_CLI else
                 [sys.executable, str(Path(__file__).resolve()), "--peer-child", backend, str(bundle), str(prompt_file),
@@ -363,7 +374,7 @@ def run_startup(backend: str, bundle: Path, threads: int, runs: int, peer_name: 
                 [round(min(t), 3), round(max(t), 3)], "peak_rss_mib": round(statistics.median(r), 1),
                 "peak_rss_range_mib": [round(min(r), 1), round(max(r), 1)]}
 
-    row = {"backend": backend, "bundle": str(bundle), "artefact_mib": round(art_mib, 1), "runs": runs,
+    row = {"backend": backend, "bundle": str(bundle), "ours_input": ours_input, "artefact_mib": round(art_mib, 1), "runs": runs,
            "max_tokens": STARTUP_TOKENS, "threads": threads, "peer": peer_name,
            "bytecode": "cached for both (PYTHONPYCACHEPREFIX, filled by the unmeasured run)",
            **{f"ours_{k}": v for k, v in summary(got["ours"]).items()},
@@ -432,12 +443,15 @@ def startup_rows(args: argparse.Namespace, bundles: Path) -> list[dict]:
         if not (bundle / "manifest.json").is_file():
             print(f"[startup] {backend}: no bundle at {bundle}, skipped", flush=True)
             continue
-        for peer in STARTUP[backend][1]:
-            print(f"[startup] {backend}: {bundle} against {peer}, {args.runs} runs each", flush=True)
+        pairs = [(peer, "bundle") for peer in STARTUP[backend][1]]
+        if backend in ALONE:
+            pairs.append((ALONE[backend], "gguf-alone"))
+        for peer, ours_input in pairs:
+            print(f"[startup] {backend}: {bundle} ({ours_input}) against {peer}, {args.runs} runs each", flush=True)
             before = uptime()
-            row = run_startup(backend, bundle, args.threads, args.runs, peer)
+            row = run_startup(backend, bundle, args.threads, args.runs, peer, ours_input)
             rows.append({**row, "uptime_before": before, "uptime_after": uptime()})
-    cols = ["backend", "peer", "artefact_mib", "ours_start_to_first_token_s", "peer_start_to_first_token_s",
+    cols = ["backend", "ours_input", "peer", "artefact_mib", "ours_start_to_first_token_s", "peer_start_to_first_token_s",
             "ttft_ratio_paired", "ours_peak_rss_mib", "peer_peak_rss_mib", "rss_goal_mib", "rss_goal_met",
             "ttft_goal_met", "same_text"]
     print_table(rows, cols)
@@ -472,10 +486,13 @@ def main_startup(args: argparse.Namespace, bundles: Path, load_start: list[float
     file = result_file(args.quick)
     payload = json.loads(file.read_text()) if file.is_file() else {"rows": []}
     rows = startup_rows(args, bundles)
-    measured = {(r["backend"], r["peer"]) for r in rows}
+    def key(r: dict) -> tuple:
+        return r["backend"], r["peer"], r.get("ours_input", "bundle")
+
+    measured = {key(r) for r in rows}
     run = payload.get("startup", {})  # the previous run's load, kept on the rows it measured
     kept = [{"load_avg_start": run.get("load_avg_start"), "load_avg_end": run.get("load_avg_end"), **r}
-            for r in payload.get("startup_rows", []) if (r["backend"], r["peer"]) not in measured]
+            for r in payload.get("startup_rows", []) if key(r) not in measured]
     payload["startup_rows"] = kept + rows
     payload["startup"] = {"machine": machine(), "threads": args.threads, "runs": args.runs,
                           "load_avg_start": load_start, "load_avg_end": [round(x, 2) for x in os.getloadavg()],

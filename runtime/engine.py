@@ -112,15 +112,15 @@ def open_backend(path: str | Path, kind: str | None = None, kv: KVOption = KVOpt
     """The backend and tokenizer for an artefact path (see `edgefinfer.bundle.resolve`); `kind` forces a backend."""
     src = resolve(path, kind)
     if src.kind == "bundle":
-        # tokenizer.json (3.5 MB of JSON for SmolLM2: 0.1-0.3 s) parses while the runtime loads the weights,
-        # which llama.cpp and ONNX Runtime do in native code with the GIL released. The parse holds the GIL
+        # On llama.cpp the GGUF's own vocabulary, read with the weights, tokenizes (llamacpp_tokenizer).
+        # Elsewhere tokenizer.json (3.5 MB of JSON for SmolLM2: 0.1-0.3 s) parses while the runtime loads
+        # the weights, which ONNX Runtime does in native code with the GIL released. The parse holds the GIL
         # (tokenizers' from_file) from start to end, so whatever Python the main thread has left waits for
         # it: the imports come first, and the parse starts only when the backend calls `native_load` right
         # before its native load (or when it returns, for one that has none).
         _import_runtime(src.backend)
         native_load = threading.Event()
         own_vocab = src.backend == "llamacpp" and (src.folder / "tokenizer.json").is_file()
-        # On llama.cpp the GGUF's own vocabulary tokenizes (llamacpp_tokenizer): nothing to parse.
         tokenizer = None if own_vocab else _Background(_after, native_load, src.tokenizer)
         try:
             if src.entry.format == "qnn-context":  # static graphs: QNN EP (HTP / emulator) or CPU EP, see open_qnn
@@ -142,14 +142,21 @@ def open_backend(path: str | Path, kind: str | None = None, kv: KVOption = KVOpt
         if own_vocab:
             from edgefinfer.runtime.backends.llamacpp_tokenizer import LlamaVocabTokenizer
 
-            tokenizer = LlamaVocabTokenizer(backend.model, src.folder)
+            tokenizer = LlamaVocabTokenizer.for_bundle(backend.model, src.folder)
         else:
             tokenizer = tokenizer.result()
     else:
         backend = _open(src.path, src.backend, kv, threads, max_seq_len, prefill_grid=prefill_grid)
         info = {"artefact": str(src.path)}
-        tokenizer = src.tokenizer()
-    return backend, tokenizer, {**info, "eos_ids": src.stop_ids(tokenizer), "path": str(src.path)}
+        if backend.name == "llamacpp" and not (src.folder / "tokenizer.json").is_file():
+            from edgefinfer.runtime.backends.llamacpp_tokenizer import LlamaVocabTokenizer
+
+            # A bare GGUF: its own vocabulary, special tokens and template, as llama.cpp read them.
+            tokenizer = LlamaVocabTokenizer.for_gguf(backend.model)
+        else:
+            tokenizer = src.tokenizer()
+    eog = backend.model.end_of_generation() if backend.name == "llamacpp" and src.eos_ids is None else None
+    return backend, tokenizer, {**info, "eos_ids": src.stop_ids(tokenizer, eog), "path": str(src.path)}
 
 
 def _import_runtime(kind: str | None) -> None:

@@ -174,7 +174,7 @@ def _llamacpp(src: ModelSource, opts: ServeOptions) -> tuple[Executor, Tokenizer
         raise UserError(f"the llama.cpp backend runs GGUF files; {src.path} is a HF folder: build a GGUF "
                         f"(`edgefinfer build --target gpu-server`) or use --backend torch")
     kv = kv_settings(opts, runtime_cells(check_gguf(src.path)))
-    tokenizer, stop_ids = _tokenizer(src)
+    tokenizer = src.tokenizer()
     executor = LlamaCppExecutor(src.path, max_num_seqs=opts.max_num_seqs, max_model_len=opts.max_model_len,
                                 max_batch_tokens=opts.max_num_batched_tokens, block_size=opts.block_size,
                                 kv_unified=kv.unified, kv_cells=opts.kv_cells, flash_attn=kv.flash_attn,
@@ -182,6 +182,7 @@ def _llamacpp(src: ModelSource, opts: ServeOptions) -> tuple[Executor, Tokenizer
                                 threads=opts.threads, gpu_layers=opts.gpu_layers,
                                 num_blocks=opts.kv_blocks, retain_prefixes=opts.retain_prefixes,
                                 retain_tokens=opts.retain_tokens, swap=opts.preemption == "swap")
+    stop_ids = src.stop_ids(tokenizer, executor.model.end_of_generation() if src.eos_ids is None else None)
     if tokenizer.vocab_size > executor.vocab_size:
         raise UserError(f"the tokenizer has {tokenizer.vocab_size} tokens but {src.path} only {executor.vocab_size}")
     if not tokenizer_matches(executor.model, tokenizer, _CHECK_TEXTS):

@@ -44,7 +44,7 @@ def pair(request, tmp_path_factory):
     model = tiny_model(vocab_size=ours.vocab_size, eos_token_id=None, hidden_size=64, intermediate_size=128,
                        max_position_embeddings=256)
     export_gguf(model, ours, folder / "model.gguf", "f16")
-    return name, ours, LlamaVocabTokenizer(LlamaModel(folder / "model.gguf"), folder)
+    return name, ours, LlamaVocabTokenizer.for_bundle(LlamaModel(folder / "model.gguf"), folder)
 
 
 @pytest.mark.reference
@@ -95,3 +95,29 @@ def test_special_tokens_and_entries_resolve_and_tokenizer_json_parses_only_when_
         assert llama.apply_chat_template(messages) == ours.apply_chat_template(messages)
     assert llama._backend is None  # nothing above needed tokenizer.json
     assert llama.backend.to_str() == ours.backend.to_str()  # a grammar compiler's vocabulary
+
+
+@pytest.mark.reference
+@pytest.mark.llamacpp
+def test_a_bare_gguf_takes_its_tokens_template_and_stops_from_llamacpp():
+    """The shipped GGUF run alone: what llama.cpp read from the file, against gguf-py's reading of it."""
+    from edgefinfer.model import reference
+    from edgefinfer.model.gguf_import import gguf_vocabulary
+    from edgefinfer.runtime.backends.llamacpp_tokenizer import LlamaVocabTokenizer
+    from edgefinfer.runtime.engine import open_backend
+
+    path = reference.gguf_path("smollm2-135m")
+    backend, llama, info = open_backend(path, threads=1)
+    ours, file_eos = gguf_vocabulary(path)
+    assert isinstance(llama, LlamaVocabTokenizer) and llama._backend is None
+    assert (llama.bos_token, llama.eos_token, llama.add_bos_token) == (ours.bos_token, ours.eos_token,
+                                                                       ours.add_bos_token) == ("<|im_start|>", "<|im_end|>", False)
+    assert llama.chat_template == ours.chat_template and len(llama.chat_template) > 256  # longer than one buffer
+    for text in TEXTS:
+        assert llama.encode(text, add_special_tokens=True) == ours.encode(text, add_special_tokens=True)
+        ids = ours.encode(text)
+        assert llama.decode(ids) == ours.decode(ids)
+    # llama.cpp's own end-of-generation set: the file's EOS and the control tokens gguf-py finds by their text,
+    # and <reponame>, a fill-in-the-middle token llama.cpp's loader also ends on.
+    assert file_eos == (2, 0) and info["eos_ids"] == (2, 0, 4) and llama.decode([4], False) == "<reponame>"
+    assert llama.backend.to_str() == ours.backend.to_str()

@@ -76,15 +76,18 @@ class ModelSource:
             return gguf_vocabulary(self.path)[0]
         raise UserError(f"no tokenizer.json next to {self.path}; put the model's tokenizer.json beside it")
 
-    def stop_ids(self, tokenizer: "Tokenizer") -> tuple[int, ...]:
+    def stop_ids(self, tokenizer: "Tokenizer", llama_eog: tuple[int, ...] | None = None) -> tuple[int, ...]:
         """The ids that end this model's generations, the one rule for `run` and `serve`: the EOS ids
         of the model's config (config.json, a bundle's manifest copy) where one names them, else a
-        GGUF's own (EOS, EOT, EOM and the control tokens llama.cpp ends on), then the tokenizer's EOS.
+        GGUF's own (EOS, EOT, EOM and the control tokens llama.cpp ends on: `llama_eog`, llama.cpp's
+        own set, where llama.cpp runs the file; else as gguf-py reads them), then the tokenizer's EOS.
         A bare .gguf therefore stops where llama.cpp stops, whichever command runs it."""
         from edgefinfer.decoding.generation import stop_token_ids
 
         eos = self.eos_ids
-        if eos is None and self.is_gguf:
+        if eos is None and llama_eog is not None:
+            eos = llama_eog
+        elif eos is None and self.is_gguf:
             from edgefinfer.model.gguf_import import gguf_vocabulary
 
             eos = gguf_vocabulary(self.path)[1]

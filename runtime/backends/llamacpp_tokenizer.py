@@ -1,37 +1,60 @@
-"""A bundle's tokenizer on llama.cpp: text and ids through the GGUF's own vocabulary.
+"""A GGUF's tokenizer on llama.cpp: text and ids through the GGUF's own vocabulary.
 
 llama.cpp loads the GGUF's vocabulary with the weights, and its CLI and llama-cpp-python split and join
-text with it. `edgefinfer run` on a gpu-server bundle does the same instead of parsing the bundle's
-tokenizer.json before the first token: for SmolLM2 that file is 3.5 MB of JSON whose parse (~0.08 s
-idle, 0.16-0.19 s on a slower day of this host; 49k merges and 49k entries) was most of the start-up
-gap to llama.cpp's own CLI (bench/results/sessions.json). Both describe the same vocabulary (our GGUF
-writer writes it from that tokenizer.json), and tests/test_llamacpp_tokenizer.py checks that both split
-and join text alike, every token of the reference vocabulary included.
+text with it. `edgefinfer run` and `chat` on llama.cpp do the same instead of building a second
+tokenizer before the first token:
 
-The special tokens and the chat template still come from the bundle's tokenizer_config.json (a few
-KB). The `tokenizers` object, which only a grammar compiler needs (it reads the vocabulary from it),
-is parsed the first time something asks for `backend`.
+* a gpu-server bundle: its tokenizer.json (for SmolLM2 3.5 MB of JSON; the parse, ~0.08 s idle, 0.16-0.19 s
+  on a slower day of this host, was most of the start-up gap to llama.cpp's own CLI,
+  bench/results/sessions.json) is not parsed. Both describe the same vocabulary (our GGUF writer writes
+  it from that tokenizer.json), and tests/test_llamacpp_tokenizer.py checks that both split and join text
+  alike, every token of the reference vocabulary included. The special tokens and the chat template
+  come from the bundle's tokenizer_config.json (a few KB);
+* a bare GGUF (no tokenizer.json beside it): the tokens, special tokens and template are the file's,
+  as llama.cpp read them, where gguf-py's reading of the file and our rebuilt tokenizer took seconds
+  (and exist for two tokenizer kinds only); generation ends on llama.cpp's own end-of-generation ids.
+
+The `tokenizers` object, which only a grammar compiler needs (it reads the vocabulary from it), is
+built the first time something asks for `backend`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from edgefinfer.runtime.backends.llamacpp_binding import LlamaModel
 from edgefinfer.tokenization.tokenizer import Tokenizer, read_special_tokens
 
 
 class LlamaVocabTokenizer(Tokenizer):
-    def __init__(self, model: LlamaModel, folder: Path):
-        """model: the loaded GGUF; folder: the bundle, with its tokenizer_config.json and tokenizer.json."""
-        super().__init__(None, **read_special_tokens(folder))
+    def __init__(self, model: LlamaModel, specials: dict[str, Any], full: Callable[[], Tokenizer]):
+        """specials: `Tokenizer`'s keyword arguments; full: the same vocabulary as a `tokenizers`-backed
+        Tokenizer, built only if `backend` is asked for."""
+        super().__init__(None, **specials)
         self.model = model
-        self.folder = folder
+        self._full = full
+
+    @classmethod
+    def for_bundle(cls, model: LlamaModel, folder: Path) -> "LlamaVocabTokenizer":
+        """A bundle's GGUF, with the bundle's special tokens and template (`folder`'s tokenizer files)."""
+        return cls(model, read_special_tokens(folder), lambda: Tokenizer.from_dir(folder))
+
+    @classmethod
+    def for_gguf(cls, model: LlamaModel) -> "LlamaVocabTokenizer":
+        """A bare GGUF, with the special tokens and template it carries."""
+        bos, eos = model.special_token("bos"), model.special_token("eos")
+        specials = {"bos_token": None if bos is None else model.token_text(bos),
+                    "eos_token": None if eos is None else model.token_text(eos),
+                    "chat_template": model.meta("tokenizer.chat_template"),
+                    "add_bos_token": model.adds_bos() and bos is not None}
+        return cls(model, specials, lambda: _file_tokenizer(model.path))
 
     @property
     def backend(self):
         if self._backend is None:
-            self._backend = Tokenizer.from_dir(self.folder).backend
+            self._backend = self._full().backend
         return self._backend
 
     @property
@@ -46,3 +69,10 @@ class LlamaVocabTokenizer(Tokenizer):
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.model.detokenize(ids, render_special=not skip_special_tokens)
+
+
+def _file_tokenizer(path: Path) -> Tokenizer:
+    """gguf-py's reading of the file's tokenizer (seconds, imports gguf-py: only a grammar asks)."""
+    from edgefinfer.model.gguf_import import gguf_vocabulary
+
+    return gguf_vocabulary(path)[0]
