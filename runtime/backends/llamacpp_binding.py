@@ -162,9 +162,19 @@ class LlamaModel:
         return bool(self.lib.llama_vocab_get_add_bos(self.vocab))
 
     def end_of_generation(self) -> tuple[int, ...]:
-        """The ids llama.cpp ends a generation on, EOS and EOT first: its EOG set (one pass over the
-        vocabulary), which also holds the control tokens it recognises by their text (SmolLM2's
-        <|endoftext|>) and fill-in-the-middle tokens, but not a default EOS the file does not name."""
+        """The ids llama.cpp ends a generation on, EOS and EOT first: its EOG set, which also holds the
+        control tokens it recognises by their text (SmolLM2's <|endoftext|>) and fill-in-the-middle
+        tokens, but not a default EOS the file does not name. Finding them takes a pass over the
+        vocabulary (~60 ms of ctypes calls for 49k tokens), so they are remembered per version of the
+        file and of llama.cpp's library (`edgefinfer.files.stamped`)."""
+        from edgefinfer.files.stamped import remembered
+
+        library = Path(getattr(getattr(self.lib, "_lib", None), "_name", "") or ".")
+        tag = f"{library.name}:{os.stat(library).st_mtime_ns if library.is_file() else 0}"
+        return tuple(remembered(self.path, "gguf-eog-ids.json", lambda _: self._scan_eog(), tag=tag,
+                                decode=lambda ids: tuple(int(i) for i in ids)))
+
+    def _scan_eog(self) -> tuple[int, ...]:
         eos, eot = self.special_token("eos"), self.special_token("eot")
         default_eos = self.lib.llama_vocab_eos(self.vocab) if eos is None else None
         is_eog = self.lib.llama_vocab_is_eog
