@@ -393,11 +393,12 @@ def test_per_slot_streams_take_over_retained_prefixes():
     d.free("B")
     (rb, _), = m.retained().items()
 
-    c = d.allocate("C", P[:4] + [7, 7, 7, 7, 7])  # 4 of rb's 10 tokens and of its own 9: under half, afresh
-    assert (c.adopted, c.num_cached_tokens) == (False, 0)
+    c = d.allocate("C", P[:4] + [7, 7, 7, 7, 7])  # 4 of rb's 10 tokens and of its own 9: under half,
+    assert (c.adopted, c.prefix_source, c.num_cached_tokens) == (False, rb, 4)  # copied, rb kept
+    assert st.tokens_of(m, "C") == P[:4] + [7] * 5 and st.tokens_of(m, rb) == P + [1, 9]
     m.mark_computed("C")
-    d.free("C")  # its first block repeats block 0, indexed under the first copy: C's table names that
-    rb_, rc = m.retained()  # one, its own stream keeps every token (a chat header computed twice)
+    d.free("C")  # its first block is block 0, shared: C's table names it, its own stream holds a copy
+    rb_, rc = m.retained()
     assert rb_ == rb and st.tokens_of(m, rb) == P + [1, 9] and st.tokens_of(m, rc) == P[:4] + [7] * 5
     assert m.retained()[rc][0] == m.retained()[rb][0] == 0
     again = d.allocate("C2", P[:4] + [7, 7, 7, 7, 7])  # the same prompt again: all but its last token
@@ -450,8 +451,9 @@ def test_a_similar_prompt_takes_over_the_oldest_kept_prompt_not_the_closest():
     assert (again.adopted, again.prefix_source, again.num_cached_tokens) == (True, rr, 8)
 
 
-def test_a_hit_on_little_of_a_retained_prefix_is_not_taken_over():
-    """Under half of the new prompt and of what the retained prefix holds: computed afresh, the prefix kept."""
+def test_a_hit_on_little_of_a_retained_prefix_is_copied_not_taken_over():
+    """Under half of the new prompt and of what the retained prefix holds: the hit is copied (a chat
+    header is not computed again), the prefix kept whole."""
     d = Driver(32, builtin_block_hash, per_sequence_storage=True, retain_prefixes=4, adopt_retained=True)
     m, st = d.m, d.storage
     long = list(range(20, 40))
@@ -460,12 +462,61 @@ def test_a_hit_on_little_of_a_retained_prefix_is_not_taken_over():
     d.free("A")
     (ra, table), = m.retained().items()
     other = list(range(50, 60))
-    b = d.allocate("B", P[:4] + other)  # its first block only: 4 of its 14 tokens and of ra's 24, afresh
-    assert (b.adopted, b.num_cached_tokens, list(m.retained())) == (False, 0, [ra])
+    b = d.allocate("B", P[:4] + other)  # its first block only: 4 of its 14 tokens and of ra's 24, copied
+    assert (b.adopted, b.prefix_source, b.num_cached_tokens, list(m.retained())) == (False, ra, 4, [ra])
+    assert b.cached_block_ids == (table[0],) and b.start_pos == 4
     assert st.tokens_of(m, ra) == P[:4] + long and st.tokens_of(m, "B") == P[:4] + other
     d.free("B")
     c = d.allocate("C", P[:4] + [1, 2])  # 4 of its 6 tokens: most of the prompt, taken over
     assert (c.adopted, c.num_cached_tokens) == (True, 4) and st.tokens_of(m, "C") == P[:4] + [1, 2]
+
+
+def test_a_little_hit_takes_the_prefix_over_where_its_storage_id_is_the_only_one_left():
+    """A copy needs a storage id of its own; where only dropping the source would free one (llama.cpp's
+    per-slot streams all in use), the source is taken over instead of dropped and computed again."""
+    d = Driver(32, builtin_block_hash, per_sequence_storage=True, retain_prefixes=4, adopt_retained=True,
+               max_storage_ids=2)
+    m = d.m
+    d.allocate("L", [9] * 8 + [1])  # a live sequence holds one id
+    d.allocate("A", P[:4] + list(range(20, 40)))
+    m.mark_computed("A")
+    ra = d.free("A").retained_as
+    b = d.allocate("B", P[:4] + list(range(50, 60)))  # 4 of 14: under half, but ra holds the other id
+    assert (b.adopted, b.prefix_source, b.num_cached_tokens, m.retained()) == (True, ra, 4, {})
+
+
+def test_a_little_hit_takes_over_the_prefix_its_storage_id_would_drop_where_that_holds_the_hit_too():
+    """Every storage id in use: the copy's id would drop the least recently used other prefix. Where that
+    one starts with the same chat header, it is taken over instead (no stream copy, the same prefixes
+    kept); where it does not, the source is copied and it is dropped."""
+    d = Driver(64, builtin_block_hash, per_sequence_storage=True, retain_prefixes=4, adopt_retained=True,
+               max_storage_ids=3)
+    m, st = d.m, d.storage
+    header = P[:4]
+    d.allocate("L", [9] * 8 + [1])  # a live sequence holds one id
+    rids = []
+    for name, tail in (("A", range(20, 40)), ("B", range(40, 60))):
+        d.allocate(name, header + list(tail))
+        m.mark_computed(name)
+        rids.append(d.free(name).retained_as)
+    ra, rb = rids
+    c = d.allocate("C", header + list(range(60, 70)))  # 4 of 14: under half; ra the source, rb the victim
+    assert (c.adopted, c.prefix_source, c.num_cached_tokens, c.retained_ops) == (True, rb, 4, ())
+    assert list(m.retained()) == [ra] and st.tokens_of(m, ra) == header + list(range(20, 40))
+    # The least recently used other prefix shares nothing with the next prompt: copied from the source.
+    d = Driver(64, builtin_block_hash, per_sequence_storage=True, retain_prefixes=4, adopt_retained=True,
+               max_storage_ids=3)
+    m = d.m
+    d.allocate("L", [9] * 8 + [1])
+    rids = []
+    for name, prompt in (("X", [5] * 8 + [1]), ("A", header + list(range(20, 40)))):
+        d.allocate(name, prompt)
+        m.mark_computed(name)
+        rids.append(d.free(name).retained_as)
+    rx, ra = rids
+    e = d.allocate("E", header + list(range(80, 90)))
+    assert (e.adopted, e.prefix_source, e.num_cached_tokens) == (False, ra, 4)
+    assert [op.seq_id for op in e.retained_ops] == [rx] and list(m.retained()) == [ra]
 
 
 def test_retained_prefixes_are_capped_least_recently_used_first():

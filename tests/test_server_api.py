@@ -439,6 +439,55 @@ def test_a_repeated_prompt_computes_only_its_last_token(unified):
         engine.executor.close()
 
 
+def test_per_slot_a_short_shared_header_is_copied_from_a_kept_prompt_which_stays():
+    """Per-slot, a prompt that shares only a header with a kept prompt (under half of either) copies the
+    header's cells from that prompt's stream instead of computing them again, and the kept prompt stays
+    whole for its own chat; the reply is the one computed from scratch."""
+    tok = None
+
+    def engine_and_ask():
+        engine, _ = build_engine(ServeOptions(MODEL, max_num_seqs=2, max_model_len=256, threads=1))
+        done, outs = threading.Semaphore(0), {}
+
+        def ask(rid, prompt):
+            def sink(out):
+                outs.setdefault(rid, []).extend(t for d in out.deltas for t in d.token_ids)
+                if out.finished:
+                    done.release()
+            before = engine.manager.stats().prefix_hits
+            engine.submit(rid, prompt, GenerationParams(max_tokens=8, ignore_eos=True), sink)
+            assert done.acquire(timeout=120)
+            deadline = time.monotonic() + 10
+            while engine.snapshot()["kv_used"] and time.monotonic() < deadline:  # retained, not running
+                time.sleep(0.02)
+            return outs[rid], engine.manager.stats().prefix_hits - before
+        engine.start()
+        return engine, ask
+
+    engine, ask = engine_and_ask()
+    tok = engine.tokenizer
+    header = tok.encode("You are a helpful assistant who answers briefly and politely. " * 4)[:32]
+    a = header + tok.encode(" The lighthouse keeper climbed the stairs every evening, counting steps." * 3)[:40]
+    b = header + tok.encode(" Ships sailed past the harbour walls at dawn, their sails full of wind." * 3)[:40]
+    try:
+        fresh, hits = ask("b0", b)
+        assert hits == 0
+    finally:
+        engine.stop()
+        engine.executor.close()
+    engine, ask = engine_and_ask()
+    try:
+        ask("a", a)
+        (kept,) = engine.manager.retained()
+        again, hits = ask("b", b)
+        assert hits == 32  # the header's two blocks, under half of a's 72 kept tokens and of b's 72
+        assert kept in engine.manager.retained() and len(engine.manager.retained()) == 2
+        assert again == fresh
+    finally:
+        engine.stop()
+        engine.executor.close()
+
+
 def test_per_slot_steps_feed_sequences_in_slot_order():
     """llama.cpp runs per-slot sequences in one micro-batch only where their ids follow each other in
     the batch (`split_equal(sequential=true)`), so a step must reach it in slot order whatever order the
