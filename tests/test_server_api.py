@@ -398,6 +398,24 @@ def test_retained_prefixes_serve_later_requests_and_yield_their_cells():
         engine.executor.close()
 
 
+def _ask_until_kept(engine, rid: str, prompt: list[int]) -> tuple[list[int], int]:
+    """8 greedy tokens of `prompt` and the prompt tokens the prefix cache served, once the request's
+    blocks are free again (its prompt retained, not running)."""
+    done, tokens = threading.Semaphore(0), []
+
+    def sink(out):
+        tokens.extend(t for d in out.deltas for t in d.token_ids)
+        if out.finished:
+            done.release()
+    before = engine.manager.stats().prefix_hits
+    engine.submit(rid, prompt, GenerationParams(max_tokens=8, ignore_eos=True), sink)
+    assert done.acquire(timeout=120)
+    deadline = time.monotonic() + 10
+    while engine.snapshot()["kv_used"] and time.monotonic() < deadline:  # the storage follows next pass
+        time.sleep(0.02)
+    return tokens, engine.manager.stats().prefix_hits - before
+
+
 @pytest.mark.parametrize("unified", [True, False], ids=["unified", "per-slot"])
 def test_a_repeated_prompt_computes_only_its_last_token(unified):
     """llama-server's slots reuse a finished prompt to the token; so do both layouts: the retained
@@ -410,27 +428,12 @@ def test_a_repeated_prompt_computes_only_its_last_token(unified):
     tok = engine.tokenizer
     prompt = tok.encode("The lighthouse keeper climbed the stairs every evening, counting each step. " * 4)[:41]
     assert len(prompt) == 41 and len(prompt) % 16  # two whole blocks and 9 tokens into the third
-    done, outs = threading.Semaphore(0), {}
-
-    def ask(rid):
-        def sink(out):
-            outs.setdefault(rid, []).extend(t for d in out.deltas for t in d.token_ids)
-            if out.finished:
-                done.release()
-        before = engine.manager.stats().prefix_hits
-        engine.submit(rid, prompt, GenerationParams(max_tokens=8, ignore_eos=True), sink)
-        assert done.acquire(timeout=120)
-        return outs[rid], engine.manager.stats().prefix_hits - before
-
     engine.start()
     try:
-        first, hits = ask("a")
+        first, hits = _ask_until_kept(engine, "a", prompt)
         assert hits == 0
-        deadline = time.monotonic() + 10
-        while engine.snapshot()["kv_used"] and time.monotonic() < deadline:  # "a" is retained, not running
-            time.sleep(0.02)
         assert engine.manager.stats().num_retained == 1
-        again, hits = ask("b")
+        again, hits = _ask_until_kept(engine, "b", prompt)
         assert hits == len(prompt) - 1  # was 32: the two whole blocks only
         assert again == first
         assert engine.executor.storage.num_used_slots == engine.manager.stats().num_retained == 1
@@ -443,43 +446,27 @@ def test_per_slot_a_short_shared_header_is_copied_from_a_kept_prompt_which_stays
     """Per-slot, a prompt that shares only a header with a kept prompt (under half of either) copies the
     header's cells from that prompt's stream instead of computing them again, and the kept prompt stays
     whole for its own chat; the reply is the one computed from scratch."""
-    tok = None
-
-    def engine_and_ask():
+    def started():
         engine, _ = build_engine(ServeOptions(MODEL, max_num_seqs=2, max_model_len=256, threads=1))
-        done, outs = threading.Semaphore(0), {}
-
-        def ask(rid, prompt):
-            def sink(out):
-                outs.setdefault(rid, []).extend(t for d in out.deltas for t in d.token_ids)
-                if out.finished:
-                    done.release()
-            before = engine.manager.stats().prefix_hits
-            engine.submit(rid, prompt, GenerationParams(max_tokens=8, ignore_eos=True), sink)
-            assert done.acquire(timeout=120)
-            deadline = time.monotonic() + 10
-            while engine.snapshot()["kv_used"] and time.monotonic() < deadline:  # retained, not running
-                time.sleep(0.02)
-            return outs[rid], engine.manager.stats().prefix_hits - before
         engine.start()
-        return engine, ask
+        return engine
 
-    engine, ask = engine_and_ask()
+    engine = started()
     tok = engine.tokenizer
     header = tok.encode("You are a helpful assistant who answers briefly and politely. " * 4)[:32]
     a = header + tok.encode(" The lighthouse keeper climbed the stairs every evening, counting steps." * 3)[:40]
     b = header + tok.encode(" Ships sailed past the harbour walls at dawn, their sails full of wind." * 3)[:40]
     try:
-        fresh, hits = ask("b0", b)
+        fresh, hits = _ask_until_kept(engine, "b0", b)
         assert hits == 0
     finally:
         engine.stop()
         engine.executor.close()
-    engine, ask = engine_and_ask()
+    engine = started()
     try:
-        ask("a", a)
+        _ask_until_kept(engine, "a", a)
         (kept,) = engine.manager.retained()
-        again, hits = ask("b", b)
+        again, hits = _ask_until_kept(engine, "b", b)
         assert hits == 32  # the header's two blocks, under half of a's 72 kept tokens and of b's 72
         assert kept in engine.manager.retained() and len(engine.manager.retained()) == 2
         assert again == fresh
