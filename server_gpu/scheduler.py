@@ -17,12 +17,13 @@ Each step (`schedule` -> executor -> `update`):
    the queue, and it waits only for blocks it will really take: requests behind it that share
    nothing with it are not starved behind the shared prefix.
 
-Chunks are aligned: a prompt is split at multiples of `prefill_chunk` counted from position 0. With
-a batch-invariant executor (`edgefinfer serve --batch-invariant`: llama.cpp with one KV stream per
-sequence) a chunk also runs whole or waits, so how a sequence's tokens are grouped into forwards
-depends only on the sequence, never on its neighbours, and its logits are exactly those it gets
-alone. For the same reason a prefix-cache hit is then cut back to what the lending sequence computed
-as aligned prompt chunks. Otherwise a chunk takes what the step's budget has left.
+A chunk holds at most `prefill_chunk` tokens of what the step's budget has left, from wherever the
+prompt's computed part ends. With a batch-invariant executor (`edgefinfer serve --batch-invariant`:
+llama.cpp with one KV stream per sequence) chunks are aligned instead, split at multiples of
+`prefill_chunk` counted from position 0, and a chunk runs whole or waits, so how a sequence's tokens
+are grouped into forwards depends only on the sequence, never on its neighbours, and its logits are
+exactly those it gets alone. For the same reason a prefix-cache hit is then cut back to what the
+lending sequence computed as aligned prompt chunks.
 
 Priority is arrival order (request arrival, then choice index); cancellation frees a request's
 blocks at once. KV operations decided between forwards (frees, forks, rollbacks) ride on the next
@@ -56,7 +57,7 @@ from edgefinfer.tokenization.tokenizer import Tokenizer
 class SchedulerConfig:
     max_num_seqs: int = 32  # running sequences (choices) at once
     max_num_batched_tokens: int = 512  # tokens per forward
-    prefill_chunk: int = 256  # prompt chunk size; chunks start at multiples of it
+    prefill_chunk: int = 256  # prompt tokens per sequence and step at most (batch-invariant: aligned chunks)
     max_model_len: int = 2048
     preemption: str = "recompute"  # or "swap": park the victim's KV in host memory, restore it exactly
 
@@ -238,13 +239,19 @@ class Scheduler:
         return draft if draft is not None and draft.tokens else None
 
     def _chunk(self, seq: Seq, budget: int) -> int:
-        """Tokens of the next prompt chunk to run now (0: wait for a later step)."""
+        """Tokens of the next prompt chunk to run now (0: wait for a later step).
+
+        Batch-invariant, a chunk ends at the next multiple of `prefill_chunk` and runs whole or waits.
+        Otherwise it starts wherever the prompt's computed part ends (after a prefix hit: anywhere) and
+        takes up to `prefill_chunk` tokens of what the budget has left: aligned, the 25 tokens after a
+        501-token cached system prompt ran as 11 + 14 in two steps, each a forward over sixteen
+        streams of 500 cells (bench/server.py's shared-system: first tokens a step later)."""
         c = self.config.prefill_chunk
         start = seq.num_computed
+        if not self.batch_invariant:
+            return min(len(seq.tokens) - start, c, budget)
         size = min(len(seq.tokens), (start // c + 1) * c) - start
-        if size <= budget:
-            return size
-        return 0 if self.batch_invariant else budget
+        return size if size <= budget else 0
 
     def _prefill_work(self, seq: Seq, chunk: int) -> _Scheduled:
         start = seq.num_computed

@@ -219,6 +219,28 @@ def test_a_request_waiting_for_a_shared_prefix_lets_unrelated_ones_pass(model, t
     assert engine.manager.stats().prefix_hits >= 32  # b still took a's prefix
 
 
+def test_a_prompt_after_a_prefix_hit_runs_in_one_chunk_unless_batch_invariant(model, tokenizer):
+    # b finds a's first 12 tokens cached (three 4-token blocks) and has 5 more: one chunk of 5 from
+    # position 12, not 4 up to the chunk boundary at 16 and 1 a step later (each step a forward over
+    # every running sequence: bench/server.py's shared-system lost a step per request that way).
+    # Batch-invariant chunks stay aligned (and a hit on a finished lender is cut back to none).
+    a = prompts_of([13], seed=5)[0]
+    b = a[:12] + [7, 7, 7, 7, 7]
+    for invariant, expected in ((False, [(12, 5)]), (True, [(0, 8), (8, 8), (16, 1)])):
+        engine = make_engine(model, tokenizer)
+        sched = engine.scheduler
+        sched.batch_invariant = invariant
+        step_by_hand(engine, {"a": a}, 2, lambda step, sched: None)
+        sched.add(Request("b", b, GenerationParams(max_tokens=2), None))
+        chunks = []
+        while sched.has_work():
+            plan = sched.schedule()
+            chunks += [(w.start_pos, len(w.token_ids)) for w in plan.work if w.start_pos < len(b)]  # prompt
+            outputs, _ = sched.update(plan, engine.executor.execute(plan))
+            assert all(o.error is None for o in outputs)
+        assert chunks == expected, invariant
+
+
 def test_speculative_prompt_lookup_is_lossless(model, tokenizer):
     spec = SpeculationConfig(lambda seq_id: PromptLookupProposer(max_ngram=3), k_max=4, adaptive=False)
     engine = make_engine(model, tokenizer, speculation=spec)
