@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 from edgefinfer.bundle.artefact import Layout
 from edgefinfer.errors import UserError
 from edgefinfer.decoding.generation import Generation, detokenize, encode_prompt, finish_reason, stop_token_ids
-from edgefinfer.bundle.resolve import resolve
+from edgefinfer.bundle.resolve import ModelSource, resolve
 from edgefinfer.runtime.backends.base import Backend
 from edgefinfer.runtime.decode import Speculation, generate_tokens
 from edgefinfer.decoding.sampling import SamplingParams
@@ -120,8 +120,7 @@ def open_backend(path: str | Path, kind: str | None = None, kv: KVOption = KVOpt
         # before its native load (or when it returns, for one that has none).
         _import_runtime(src.backend)
         native_load = threading.Event()
-        own_vocab = src.backend == "llamacpp" and (src.folder / "tokenizer.json").is_file()
-        tokenizer = None if own_vocab else _Background(_after, native_load, src.tokenizer)
+        tokenizer = None if src.llama_vocab else _Background(_after, native_load, src.tokenizer)
         try:
             if src.entry.format == "qnn-context":  # static graphs: QNN EP (HTP / emulator) or CPU EP, see open_qnn
                 from edgefinfer.runtime.backends.ort import open_qnn
@@ -139,24 +138,20 @@ def open_backend(path: str | Path, kind: str | None = None, kv: KVOption = KVOpt
         finally:
             native_load.set()  # a backend that failed or never called it: the parse is not left waiting
         info = {"bundle": src.manifest.target, "artefact": src.entry.path, "sha256": src.entry.sha256}
-        if own_vocab:
-            from edgefinfer.runtime.backends.llamacpp_tokenizer import LlamaVocabTokenizer
-
-            tokenizer = LlamaVocabTokenizer.for_bundle(backend.model, src.folder)
-        else:
-            tokenizer = tokenizer.result()
+        tokenizer = _llama_vocab(src, backend) if tokenizer is None else tokenizer.result()
     else:
         backend = _open(src.path, src.backend, kv, threads, max_seq_len, prefill_grid=prefill_grid)
         info = {"artefact": str(src.path)}
-        if backend.name == "llamacpp" and not (src.folder / "tokenizer.json").is_file():
-            from edgefinfer.runtime.backends.llamacpp_tokenizer import LlamaVocabTokenizer
-
-            # A bare GGUF: its own vocabulary, special tokens and template, as llama.cpp read them.
-            tokenizer = LlamaVocabTokenizer.for_gguf(backend.model)
-        else:
-            tokenizer = src.tokenizer()
+        # A bare GGUF: its own vocabulary, special tokens and template, as llama.cpp read them.
+        tokenizer = _llama_vocab(src, backend) if src.llama_vocab else src.tokenizer()
     eog = backend.model.end_of_generation() if backend.name == "llamacpp" and src.eos_ids is None else None
     return backend, tokenizer, {**info, "eos_ids": src.stop_ids(tokenizer, eog), "path": str(src.path)}
+
+
+def _llama_vocab(src: ModelSource, backend: Backend) -> Tokenizer:
+    from edgefinfer.runtime.backends.llamacpp_tokenizer import LlamaVocabTokenizer
+
+    return LlamaVocabTokenizer.for_source(src, backend.model)
 
 
 def _import_runtime(kind: str | None) -> None:

@@ -174,7 +174,7 @@ def _llamacpp(src: ModelSource, opts: ServeOptions) -> tuple[Executor, Tokenizer
         raise UserError(f"the llama.cpp backend runs GGUF files; {src.path} is a HF folder: build a GGUF "
                         f"(`edgefinfer build --target gpu-server`) or use --backend torch")
     kv = kv_settings(opts, runtime_cells(check_gguf(src.path)))
-    tokenizer = src.tokenizer()
+    tokenizer = None if src.llama_vocab else src.tokenizer()
     executor = LlamaCppExecutor(src.path, max_num_seqs=opts.max_num_seqs, max_model_len=opts.max_model_len,
                                 max_batch_tokens=opts.max_num_batched_tokens, block_size=opts.block_size,
                                 kv_unified=kv.unified, kv_cells=opts.kv_cells, flash_attn=kv.flash_attn,
@@ -182,12 +182,18 @@ def _llamacpp(src: ModelSource, opts: ServeOptions) -> tuple[Executor, Tokenizer
                                 threads=opts.threads, gpu_layers=opts.gpu_layers,
                                 num_blocks=opts.kv_blocks, retain_prefixes=opts.retain_prefixes,
                                 retain_tokens=opts.retain_tokens, swap=opts.preemption == "swap")
+    if tokenizer is None:  # llama.cpp's own vocabulary, read with the weights: as llama-server tokenizes
+        from edgefinfer.runtime.backends.llamacpp_tokenizer import LlamaVocabTokenizer
+
+        tokenizer = LlamaVocabTokenizer.for_source(src, executor.model)
+    else:  # a tokenizer.json put beside the GGUF
+        if tokenizer.vocab_size > executor.vocab_size:
+            raise UserError(f"the tokenizer has {tokenizer.vocab_size} tokens but {src.path} only "
+                            f"{executor.vocab_size}")
+        if not tokenizer_matches(executor.model, tokenizer, _CHECK_TEXTS):
+            log.warning("the tokenizer of %s splits text differently from llama.cpp's own; outputs stay valid "
+                        "(ids are passed as ids) but may differ from llama.cpp's server", src.path)
     stop_ids = src.stop_ids(tokenizer, executor.model.end_of_generation() if src.eos_ids is None else None)
-    if tokenizer.vocab_size > executor.vocab_size:
-        raise UserError(f"the tokenizer has {tokenizer.vocab_size} tokens but {src.path} only {executor.vocab_size}")
-    if not tokenizer_matches(executor.model, tokenizer, _CHECK_TEXTS):
-        log.warning("the tokenizer of %s splits text differently from llama.cpp's own; outputs stay valid "
-                    "(ids are passed as ids) but may differ from llama.cpp's server", src.path)
     return executor, tokenizer, stop_ids
 
 

@@ -97,17 +97,32 @@ def test_special_tokens_and_entries_resolve_and_tokenizer_json_parses_only_when_
     assert llama.backend.to_str() == ours.backend.to_str()  # a grammar compiler's vocabulary
 
 
+def _run(path):
+    from edgefinfer.runtime.engine import open_backend
+
+    _, tokenizer, info = open_backend(path, threads=1)
+    return tokenizer, info["eos_ids"], lambda: None  # the backend frees its model when collected
+
+
+def _serve(path):
+    from edgefinfer.server_gpu.loader import ServeOptions, build_engine
+
+    engine, _ = build_engine(ServeOptions(str(path), max_num_seqs=1, max_model_len=128, threads=1))
+    return engine.tokenizer, tuple(sorted(engine.scheduler.stop_ids)), engine.executor.close
+
+
 @pytest.mark.reference
 @pytest.mark.llamacpp
-def test_a_bare_gguf_takes_its_tokens_template_and_stops_from_llamacpp():
-    """The shipped GGUF run alone: what llama.cpp read from the file, against gguf-py's reading of it."""
+@pytest.mark.parametrize("command", [_run, _serve], ids=["run", "serve"])
+def test_a_bare_gguf_takes_its_tokens_template_and_stops_from_llamacpp(command):
+    """The shipped GGUF run or served alone: what llama.cpp read from the file, against gguf-py's reading
+    of it (which `serve` used to rebuild a tokenizer from, seconds before the first request)."""
     from edgefinfer.model import reference
     from edgefinfer.model.gguf_import import gguf_vocabulary
     from edgefinfer.runtime.backends.llamacpp_tokenizer import LlamaVocabTokenizer
-    from edgefinfer.runtime.engine import open_backend
 
     path = reference.gguf_path("smollm2-135m")
-    backend, llama, info = open_backend(path, threads=1)
+    llama, stop_ids, close = command(path)
     ours, file_eos = gguf_vocabulary(path)
     assert isinstance(llama, LlamaVocabTokenizer) and llama._backend is None
     assert (llama.bos_token, llama.eos_token, llama.add_bos_token) == (ours.bos_token, ours.eos_token,
@@ -119,5 +134,6 @@ def test_a_bare_gguf_takes_its_tokens_template_and_stops_from_llamacpp():
         assert llama.decode(ids) == ours.decode(ids)
     # llama.cpp's own end-of-generation set: the file's EOS and the control tokens gguf-py finds by their text,
     # and <reponame>, a fill-in-the-middle token llama.cpp's loader also ends on.
-    assert file_eos == (2, 0) and info["eos_ids"] == (2, 0, 4) and llama.decode([4], False) == "<reponame>"
+    assert file_eos == (2, 0) and sorted(stop_ids) == [0, 2, 4] and llama.decode([4], False) == "<reponame>"
     assert llama.backend.to_str() == ours.backend.to_str()
+    close()

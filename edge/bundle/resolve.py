@@ -62,6 +62,17 @@ class ModelSource:
     def is_gguf(self) -> bool:
         return self.path.suffix == ".gguf" and self.path.is_file()
 
+    @property
+    def llama_vocab(self) -> bool:
+        """Whether llama.cpp's own vocabulary tokenizes this source (`LlamaVocabTokenizer.for_source`):
+        where llama.cpp runs a bundle's GGUF (its tokenizer.json describes the same vocabulary; its
+        tokenizer files name the special tokens and the template) or a GGUF alone; not a GGUF with a
+        tokenizer.json put beside it by hand, which is the user's choice (`tokenizer`)."""
+        if self.backend != "llamacpp" or not self.is_gguf:
+            return False
+        beside = (self.folder / "tokenizer.json").is_file()
+        return beside if self.kind == "bundle" else not beside
+
     def tokenizer(self) -> "Tokenizer":
         """The model's tokenizer, found one way for `run`, `serve` and the checks: a tokenizer.json in
         the model's folder (a bundle's, a HF folder's, or one put beside a bare artefact), else a

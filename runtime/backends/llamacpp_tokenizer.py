@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from edgefinfer.bundle.resolve import ModelSource
 from edgefinfer.runtime.backends.llamacpp_binding import LlamaModel
 from edgefinfer.tokenization.tokenizer import Tokenizer, read_special_tokens
 
@@ -35,6 +36,11 @@ class LlamaVocabTokenizer(Tokenizer):
         super().__init__(None, **specials)
         self.model = model
         self._full = full
+
+    @classmethod
+    def for_source(cls, src: ModelSource, model: LlamaModel) -> "LlamaVocabTokenizer":
+        """`src`'s tokenizer where `src.llama_vocab`: a bundle's (`for_bundle`) or a GGUF alone's (`for_gguf`)."""
+        return cls.for_bundle(model, src.folder) if src.kind == "bundle" else cls.for_gguf(model)
 
     @classmethod
     def for_bundle(cls, model: LlamaModel, folder: Path) -> "LlamaVocabTokenizer":
