@@ -128,26 +128,23 @@ class LlamaModel:
         """llama.cpp's split of `text`, special tokens parsed; `add_special`: with the BOS / EOS the GGUF
         asks for (`tokenizer.ggml.add_bos_token`), as a tokenizer's post-processor adds them."""
         raw = text.encode()
-        size = len(raw) + 8  # a token covers at least one byte, plus BOS / EOS
-        while True:
-            buf = (self.lib.llama_token * size)()
-            n = self.lib.llama_tokenize(self.vocab, raw, len(raw), buf, size, add_special, True)
-            if n >= 0:
-                return list(buf[:n])
-            size = -n  # too small: llama.cpp says how many it needs
+
+        def call(buf, size):
+            return self.lib.llama_tokenize(self.vocab, raw, len(raw), buf, size, add_special, True)
+        # A token covers at least one byte, plus BOS / EOS.
+        buf, n = _sized(lambda size: (self.lib.llama_token * size)(), len(raw) + 8, call)
+        return list(buf[:n])
 
     def detokenize(self, ids: Sequence[int], render_special: bool = False) -> str:
         """The text of `ids` joined as llama.cpp joins them; special (control) tokens as their text only
         with `render_special`. Bytes that are not (yet) whole UTF-8 become U+FFFD, as a tokenizer's
         decode makes them."""
         tokens = (self.lib.llama_token * len(ids))(*ids)
-        size = 8 * len(ids) + 16
-        while True:
-            buf = ctypes.create_string_buffer(size)
-            n = self.lib.llama_detokenize(self.vocab, tokens, len(ids), buf, size, False, render_special)
-            if n >= 0:
-                return buf.raw[:n].decode(errors="replace")
-            size = -n
+
+        def call(buf, size):
+            return self.lib.llama_detokenize(self.vocab, tokens, len(ids), buf, size, False, render_special)
+        buf, n = _sized(ctypes.create_string_buffer, 8 * len(ids) + 16, call)
+        return buf.raw[:n].decode(errors="replace")
 
     def special_token(self, which: str) -> int | None:
         """The "bos" / "eos" / "eot" id the file names (`tokenizer.ggml.<which>_token_id`), else None:
@@ -327,6 +324,17 @@ class LlamaContext:
     def close(self) -> None:
         self._free()
         self.ptr = None
+
+
+def _sized(make, size: int, call):
+    """llama.cpp's convention for output buffers: `call(buf, size)` returns the count written, or minus
+    the size it needs; (buffer, count), the buffer made again by `make(size)` until it fits."""
+    while True:
+        buf = make(size)
+        n = call(buf, size)
+        if n >= 0:
+            return buf, n
+        size = -n
 
 
 def tokenizer_matches(model: LlamaModel, tokenizer, texts: Sequence[str]) -> bool:
