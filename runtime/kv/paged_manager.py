@@ -729,23 +729,30 @@ class PagedKVManager:
         num_cached = len(hits) * self.block_size + extra
         if 2 * num_cached >= min(len(tokens), len(self._retained_tokens[source])):
             return source, True
-        if self.max_storage_ids is None or len(self._seqs) + len(self._retained) < self.max_storage_ids:
+        if not self._storage_ids_full():
             return source, False
-        victim = next((r for r in self._retained if r != source), None)
+        victim = self._oldest_retained(keep=source)
         if victim is None:
             return source, True
-        held = self._retained_tokens[victim]
-        if (list(self._retained[victim][:len(hits)]) == hits and len(self._retained[victim]) > len(hits) - (extra == 0)
-                and tuple(held[:num_cached]) == tuple(tokens[:num_cached])):
+        if (list(self._retained[victim][:len(hits)]) == hits  # (its kept tokens lie in its blocks)
+                and tuple(self._retained_tokens[victim][:num_cached]) == tuple(tokens[:num_cached])):
             return victim, True
         return source, False
+
+    def _storage_ids_full(self) -> bool:
+        """Whether a new sequence's storage id (`max_storage_ids`) must come from a retained prefix."""
+        return self.max_storage_ids is not None and len(self._seqs) + len(self._retained) >= self.max_storage_ids
+
+    def _oldest_retained(self, keep: SeqId | None) -> RetainedPrefix | None:
+        """The least recently used retained prefix other than `keep`: the next one a storage id drops."""
+        return next((r for r in self._retained if r != keep), None)
 
     def _free_storage_id(self, keep: SeqId | None = None) -> list[FreeEvent]:
         """Drop least recently used retained prefixes (never `keep`) until a new sequence has a storage
         id within `max_storage_ids`."""
         ops: list[FreeEvent] = []
-        while self.max_storage_ids is not None and len(self._seqs) + len(self._retained) >= self.max_storage_ids:
-            victim = next((r for r in self._retained if r != keep), None)
+        while self._storage_ids_full():
+            victim = self._oldest_retained(keep)
             if victim is None:
                 raise ValueError(f"{len(self._seqs)} live sequences hold every one of the storage's "
                                  f"{self.max_storage_ids} ids; admit fewer")
