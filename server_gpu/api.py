@@ -145,6 +145,7 @@ def _app_shell(engine: ServingEngine, close_engine: bool, limits: ServerLimits) 
     # Starlette runs the last added middleware first: the body is read before a 503 goes out (see BodyLimit).
     app.add_middleware(ShutdownGate, shutdown=app.state.shutdown)
     app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes)
+    app.add_middleware(Arrivals, engine=engine)
     _install_error_handlers(app)
     return app
 
@@ -392,6 +393,9 @@ class Submission:
 async def _respond(request: Request, engine: ServingEngine, rid: str, prompts: list[list[int]],
                    params: GenerationParams, builder: fmt.Builder, stream: bool, include_usage: bool) -> Response:
     sub = Submission(engine, rid, prompts, params)
+    arrival = getattr(request.state, "arrival", None)
+    if arrival is not None:
+        arrival.close()  # submitted: an idle engine need not wait for this one any more
     if stream:
         return SSEResponse(_sse(sub, builder, include_usage), on_disconnect=sub.abort)
 
@@ -535,6 +539,27 @@ class ShutdownGate:
 
 
 # ------------------------------------------------------------------------------------------- middleware
+class Arrivals:
+    """Opens an engine `Arrival` for each generation request as it comes in (before its body is read),
+    so that an idle engine admits a burst together (`edgefinfer.server_gpu.engine`); `_respond` closes
+    it once the request is submitted, and this middleware when the request ends without that."""
+
+    PATHS = ("/v1/completions", "/v1/chat/completions")
+
+    def __init__(self, app: ASGIApp, engine: ServingEngine):
+        self.app, self.engine = app, engine
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in self.PATHS:
+            await self.app(scope, receive, send)
+            return
+        arrival = scope.setdefault("state", {})["arrival"] = self.engine.arrival()
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            arrival.close()
+
+
 class BodyLimit:
     """Refuse bodies over `max_bytes` with 413 before anything parses them (Content-Length or streamed).
 

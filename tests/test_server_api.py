@@ -17,7 +17,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("llama_cpp")
 
 from edgefinfer.errors import UserError  # noqa: E402
-from edgefinfer.server_gpu.api import create_app  # noqa: E402
+from edgefinfer.server_gpu.api import ServerLimits, create_app  # noqa: E402
 from edgefinfer.server_gpu.launch import BackgroundServer  # noqa: E402
 from edgefinfer.server_gpu.loader import ServeOptions, build_engine  # noqa: E402
 from edgefinfer.server_gpu.request import GenerationParams  # noqa: E402
@@ -566,15 +566,43 @@ def test_draft_model_speculation_verifies_in_the_batch():
         engine.executor.close()
 
 
-def test_api_key_is_required_when_set():
+def tiny_engine():
+    """A served engine on the tiny random torch model: for what the API does whatever the model."""
     from edgefinfer.server_gpu.engine import ServingEngine, ServingEngineConfig
     from edgefinfer.server_gpu.executor_torch import TorchExecutor
     from edgefinfer.server_gpu.scheduler import SchedulerConfig
     from tests.helpers import tiny_model, tiny_tokenizer
 
-    engine = ServingEngine(TorchExecutor(tiny_model(), max_num_seqs=2, max_model_len=64, block_size=4),
-                           tiny_tokenizer(), (), ServingEngineConfig(SchedulerConfig(
-                               max_num_seqs=2, max_num_batched_tokens=16, prefill_chunk=8, max_model_len=64)))
+    return ServingEngine(TorchExecutor(tiny_model(), max_num_seqs=2, max_model_len=64, block_size=4),
+                         tiny_tokenizer(), (), ServingEngineConfig(SchedulerConfig(
+                             max_num_seqs=2, max_num_batched_tokens=16, prefill_chunk=8, max_model_len=64)))
+
+
+def test_every_generation_request_closes_its_arrival_whatever_its_answer():
+    # An open Arrival holds an idle engine's first step (up to ADMIT_WAIT_S): one left open by a
+    # request that was answered would slow every burst after it. Submitted, streamed, refused by the
+    # handler, by validation, by the body limit, by the API key: the count returns to zero.
+    engine = tiny_engine()
+    with BackgroundServer(create_app(engine, "tiny", api_key="k", limits=ServerLimits(max_body_bytes=4096))) as srv:
+        key = {"authorization": "Bearer k"}
+        ok = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 2}
+        asks = [(ok, key, 200), ({**ok, "stream": True}, key, 200), ({**ok, "max_tokens": 0}, key, 400),
+                ({**ok, "n": "x"}, key, 400), ({**ok, "prompt": "x" * 5000}, key, 413), (ok, {}, 401)]
+        for body, headers, status in asks:
+            r = httpx.post(srv.url + "/v1/completions", json=body, headers=headers)
+            assert r.status_code == status, (body, r.text)
+            deadline = time.monotonic() + 10
+            while engine.arriving and time.monotonic() < deadline:  # the middleware closes after the answer
+                time.sleep(0.01)
+            assert engine.arriving == 0, (body, status)
+        chat = httpx.post(srv.url + "/v1/chat/completions", json={"model": "tiny", "messages": []}, headers=key)
+        assert chat.status_code == 400
+        time.sleep(0.05)
+        assert engine.arriving == 0
+
+
+def test_api_key_is_required_when_set():
+    engine = tiny_engine()
     with BackgroundServer(create_app(engine, "tiny", api_key="s3cret")) as srv:
         body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 2}
         denied = httpx.post(srv.url + "/v1/completions", json=body)

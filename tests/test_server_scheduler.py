@@ -4,6 +4,7 @@ must return exactly what eager decoding (`edgefinfer.decoding.eager.generate_ids
 from __future__ import annotations
 
 import threading
+import time
 from contextlib import contextmanager
 
 import numpy as np
@@ -13,6 +14,7 @@ import torch
 from edgefinfer.decoding.eager import generate_ids
 from edgefinfer.decoding.sampling import SamplingParams
 from edgefinfer.server_gpu.batched_speculation import SpeculationConfig, StepCostModel
+from edgefinfer.server_gpu import engine as engine_module
 from edgefinfer.server_gpu.engine import ServingEngine, ServingEngineConfig
 from edgefinfer.server_gpu.executor_torch import TorchExecutor
 from edgefinfer.server_gpu.metrics import Histogram, Metrics
@@ -254,6 +256,67 @@ def test_speculative_prompt_lookup_is_lossless(model, tokenizer):
         accepted = engine.metrics.counters[("spec_accepted_tokens_total", ())]
         assert drafted > 0 and accepted > 0
         assert wait_idle(engine)["kv_used"] == 0
+
+
+def first_steps(engine: ServingEngine) -> tuple[list[set[str]], threading.Event, list[float]]:
+    """Record, for each step the engine runs, which requests it computes; the event is set after the first."""
+    steps: list[set[str]] = []
+    stamps: list[float] = []
+    first = threading.Event()
+    execute = engine.executor.execute
+
+    def traced(plan):
+        stamps.append(time.monotonic())
+        ids = {w.seq_id for w in plan.work}
+        steps.append({s.request.request_id for s in engine.scheduler.running if s.seq_id in ids})
+        result = execute(plan)
+        first.set()
+        return result
+
+    engine.executor.execute = traced
+    return steps, first, stamps
+
+
+def test_an_idle_engine_admits_requests_still_arriving_in_its_first_step(model, tokenizer, monkeypatch):
+    # Two requests arrive together; the first is submitted while the second is still being read
+    # (its Arrival open): the engine waits for it and computes both in its first step. Without
+    # an open Arrival the engine starts at once and the second joins a step later.
+    monkeypatch.setattr(engine_module, "ADMIT_WAIT_S", 30.0)  # no deadline in this test: only the Arrival counts
+    a, b = prompts_of([6, 7], seed=11)
+    params = GenerationParams(max_tokens=3)
+    for arriving in (True, False):
+        engine = make_engine(model, tokenizer)
+        steps, first, _ = first_steps(engine)
+        done = threading.Semaphore(0)
+        sink = lambda out: out.finished and done.release()  # noqa: E731
+        with running(engine):
+            later = engine.arrival() if arriving else None
+            engine.submit("a", a, params, sink)
+            if arriving:
+                assert not first.wait(0.2)  # held: b is on its way
+                engine.submit("b", b, params, sink)
+                later.close()
+            else:
+                assert first.wait(30)
+                engine.submit("b", b, params, sink)
+            assert done.acquire(timeout=30) and done.acquire(timeout=30)
+        assert steps[0] == ({"a", "b"} if arriving else {"a"}), arriving
+        assert engine.arriving == 0
+
+
+def test_an_arrival_never_submitted_holds_the_first_step_no_longer_than_the_deadline(model, tokenizer, monkeypatch):
+    monkeypatch.setattr(engine_module, "ADMIT_WAIT_S", 0.3)
+    engine = make_engine(model, tokenizer)
+    steps, first, stamps = first_steps(engine)
+    with running(engine):
+        stuck = engine.arrival()  # a request still uploading, or one whose handler will refuse it
+        t0 = time.monotonic()
+        engine.submit("a", prompts_of([5])[0], GenerationParams(max_tokens=2), lambda out: None)
+        assert first.wait(30)
+        assert stamps[0] - t0 >= 0.3 and steps[0] == {"a"}
+        stuck.close()
+        stuck.close()  # idempotent: a refusal closes it, and the HTTP middleware again at the end
+    assert engine.arriving == 0
 
 
 def test_abort_frees_blocks_at_once(model, tokenizer):
