@@ -1,8 +1,8 @@
 """A GGUF's tokenizer on llama.cpp: text and ids through the GGUF's own vocabulary.
 
-llama.cpp loads the GGUF's vocabulary with the weights, and its CLI and llama-cpp-python split and join
-text with it. `edgefinfer run` and `chat` on llama.cpp do the same instead of building a second
-tokenizer before the first token:
+llama.cpp loads the GGUF's vocabulary with the weights, and its CLI, llama-server and llama-cpp-python
+split and join text with it. `edgefinfer run`, `chat` and `serve` on llama.cpp do the same instead of
+building a second tokenizer before the first token (`ModelSource.llama_vocab` says where):
 
 * a gpu-server bundle: its tokenizer.json (for SmolLM2 3.5 MB of JSON; the parse, ~0.08 s idle, 0.16-0.19 s
   on a slower day of this host, was most of the start-up gap to llama.cpp's own CLI,
@@ -40,7 +40,7 @@ class LlamaVocabTokenizer(Tokenizer):
     @classmethod
     def for_source(cls, src: ModelSource, model: LlamaModel) -> "LlamaVocabTokenizer":
         """`src`'s tokenizer where `src.llama_vocab`: a bundle's (`for_bundle`) or a GGUF alone's (`for_gguf`)."""
-        return cls.for_bundle(model, src.folder) if src.kind == "bundle" else cls.for_gguf(model)
+        return cls.for_bundle(model, src.folder) if src.kind == "bundle" else cls.for_gguf(model, src.tokenizer)
 
     @classmethod
     def for_bundle(cls, model: LlamaModel, folder: Path) -> "LlamaVocabTokenizer":
@@ -48,14 +48,15 @@ class LlamaVocabTokenizer(Tokenizer):
         return cls(model, read_special_tokens(folder), lambda: Tokenizer.from_dir(folder))
 
     @classmethod
-    def for_gguf(cls, model: LlamaModel) -> "LlamaVocabTokenizer":
-        """A bare GGUF, with the special tokens and template it carries."""
+    def for_gguf(cls, model: LlamaModel, full: Callable[[], Tokenizer]) -> "LlamaVocabTokenizer":
+        """A bare GGUF, with the special tokens and template it carries; full: the file's `tokenizers`
+        form (`ModelSource.tokenizer`: gguf-py's reading, seconds; only a grammar asks for it)."""
         bos, eos = model.special_token("bos"), model.special_token("eos")
         specials = {"bos_token": None if bos is None else model.token_text(bos),
                     "eos_token": None if eos is None else model.token_text(eos),
                     "chat_template": model.meta("tokenizer.chat_template"),
                     "add_bos_token": model.adds_bos() and bos is not None}
-        return cls(model, specials, lambda: _file_tokenizer(model.path))
+        return cls(model, specials, full)
 
     @property
     def backend(self):
@@ -76,9 +77,3 @@ class LlamaVocabTokenizer(Tokenizer):
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.model.detokenize(ids, render_special=not skip_special_tokens)
 
-
-def _file_tokenizer(path: Path) -> Tokenizer:
-    """gguf-py's reading of the file's tokenizer (seconds, imports gguf-py: only a grammar asks)."""
-    from edgefinfer.model.gguf_import import gguf_vocabulary
-
-    return gguf_vocabulary(path)[0]
