@@ -159,6 +159,19 @@ def _resolve(model: str) -> ModelSource:
     return src
 
 
+def routing_tokenizer(model: str) -> Tokenizer:
+    """The tokenizer `serve` splits MODEL's prompts with, without loading its weights (the replicas'
+    ingress, which only needs a prompt's leading blocks): llama.cpp's vocabulary read alone where the
+    server tokenizes with it (`ModelSource.llama_vocab`), else `ModelSource.tokenizer`."""
+    src = _resolve(model)
+    if not src.llama_vocab:
+        return src.tokenizer()
+    from edgefinfer.runtime.backends.llamacpp_binding import LlamaModel
+    from edgefinfer.runtime.backends.llamacpp_tokenizer import LlamaVocabTokenizer
+
+    return LlamaVocabTokenizer.for_source(src, LlamaModel(src.path, vocab_only=True))
+
+
 def _tokenizer(src: ModelSource) -> tuple[Tokenizer, tuple[int, ...]]:
     """The tokenizer and the stop ids."""
     tokenizer = src.tokenizer()

@@ -218,10 +218,10 @@ def _ingress_app(spec: ReplicaSpec) -> type:
 
     class Ingress:
         def __init__(self, engines, board):
-            from edgefinfer.server_gpu.loader import _resolve, _tokenizer
+            from edgefinfer.server_gpu.loader import routing_tokenizer
 
             self.engines, self.board = engines, board
-            self.tokenizer = _tokenizer(_resolve(spec.opts.model))[0]
+            self.tokenizer = routing_tokenizer(spec.opts.model)  # the replicas' split, without their weights
 
         def _routing_key(self, path: str, body: bytes) -> str | None:
             """The prefix key of a generation request's prompt; None for anything it cannot read (the

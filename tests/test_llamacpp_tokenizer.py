@@ -137,3 +137,25 @@ def test_a_bare_gguf_takes_its_tokens_template_and_stops_from_llamacpp(command):
     assert file_eos == (2, 0) and sorted(stop_ids) == [0, 2, 4] and llama.decode([4], False) == "<reponame>"
     assert llama.backend.to_str() == ours.backend.to_str()
     close()
+
+
+@pytest.mark.reference
+@pytest.mark.llamacpp
+def test_the_replicas_ingress_splits_prompts_as_the_served_engine_does():
+    """`serve --replicas`' ingress keys its routing on a prompt's leading tokens: llama.cpp's vocabulary
+    read without the weights, where it used to rebuild the tokenizer with gguf-py (seconds at start-up,
+    and another split than the replicas' own wherever the two differ)."""
+    from edgefinfer.model import reference
+    from edgefinfer.runtime.backends.llamacpp_tokenizer import LlamaVocabTokenizer
+    from edgefinfer.server_gpu.loader import routing_tokenizer
+
+    path = reference.gguf_path("smollm2-135m")
+    ingress = routing_tokenizer(str(path))
+    served, _, close = _serve(path)
+    assert isinstance(ingress, LlamaVocabTokenizer) and ingress.model is not served.model
+    chat = served.apply_chat_template([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    assert ingress.apply_chat_template([{"role": "system", "content": "Be brief."},
+                                        {"role": "user", "content": "Hi"}]) == chat
+    for text in [*TEXTS, chat]:
+        assert ingress.encode(text, add_special_tokens=True) == served.encode(text, add_special_tokens=True)
+    close()

@@ -67,8 +67,10 @@ DecodeRow = tuple[int, int, Sequence[int], int]
 class LlamaModel:
     """A loaded GGUF; freed by `close` or when it is garbage (after every context made from it)."""
 
-    def __init__(self, path: str | Path, gpu_layers: int = 0, native_load: Callable[[], None] | None = None):
-        """native_load: called right before the native load (ctypes releases the GIL there)."""
+    def __init__(self, path: str | Path, gpu_layers: int = 0, native_load: Callable[[], None] | None = None,
+                 vocab_only: bool = False):
+        """native_load: called right before the native load (ctypes releases the GIL there); vocab_only:
+        the vocabulary and metadata without the weights (tokenizing only: no context can be made)."""
         self.lib = lib = llama_cpp_lib()
         silence(lib)
         self.path = Path(path)
@@ -79,9 +81,10 @@ class LlamaModel:
         self.header = check_gguf(self.path)
         params = lib.llama_model_default_params()
         params.n_gpu_layers = gpu_layers
+        params.vocab_only = vocab_only
         if native_load is not None:
             native_load()
-        self.ptr = (take_early_load(self.path) if gpu_layers == 0 else None) or \
+        self.ptr = (take_early_load(self.path) if gpu_layers == 0 and not vocab_only else None) or \
             lib.llama_model_load_from_file(str(self.path).encode(), params)
         if not self.ptr:
             raise UserError(f"llama.cpp could not load {self.path}; is it a GGUF file of a supported model?")
