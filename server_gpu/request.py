@@ -22,7 +22,7 @@ from edgefinfer.runtime.speculative.proposers import Proposer
 from edgefinfer.decoding.sampling import SamplingParams
 from edgefinfer.server_gpu.sampler import TokenLogprob
 from edgefinfer.decoding.structured import Grammar, TokenMatcher
-from edgefinfer.tokenization.tokenizer import IncrementalDecoder, Tokenizer
+from edgefinfer.tokenization.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ class TextStream:
     """Token ids -> text deltas for one choice: incremental UTF-8-safe decoding plus stop strings."""
 
     def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...]):
-        self.decoder = IncrementalDecoder(tokenizer)
+        self.decoder = tokenizer.stream_decoder()
         self.matcher = StopStringMatcher(list(stop))
 
     def push(self, token_id: int) -> tuple[str, bool]:

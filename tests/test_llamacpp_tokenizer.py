@@ -68,6 +68,49 @@ def test_texts_split_and_stream_alike(pair, text):
 
 @pytest.mark.reference
 @pytest.mark.llamacpp
+@pytest.mark.parametrize("text", TEXTS, ids=range(len(TEXTS)))
+def test_the_piece_stream_joins_into_the_decode_and_is_never_behind_the_windowed_one(pair, text):
+    """Served and run text comes a token's piece at a time (`PieceDecoder`, as llama-server streams it).
+    Joined, the deltas are the text of every id at once; after each token the text so far holds the
+    windowed decode's (a space before a split character goes out with the space, not the character)."""
+    from edgefinfer.runtime.backends.llamacpp_tokenizer import PieceDecoder
+
+    name, ours, llama = pair
+    ids = ours.encode(text)
+    for skip in (True, False):
+        pieces, windows = llama.stream_decoder(skip), IncrementalDecoder(llama, skip)
+        assert isinstance(pieces, PieceDecoder)
+        streamed = windowed = ""
+        for i in ids:
+            streamed, windowed = streamed + pieces.push(i), windowed + windows.push(i)
+            assert streamed.startswith(windowed)
+        streamed, windowed = streamed + pieces.flush(), windowed + windows.flush()
+        assert streamed == windowed == llama.decode(ids, skip_special_tokens=skip)
+
+
+@pytest.mark.llamacpp
+@pytest.mark.parametrize("pre, cleans", [("qwen2", False), ("gpt-2", True)])
+def test_a_stream_keeps_the_spaces_that_llamacpp_cleans_from_a_whole_text(tmp_path, pre, cleans):
+    """llama.cpp drops the space before punctuation when it decodes a whole text of some byte-level
+    vocabularies (`clean_spaces`: on for pre-tokenizer "gpt-2", as for Llama 3's, off for "qwen2"). A
+    stream cannot take back a space it sent: it gives the text that was tokenized, as llama-server's
+    does, whichever the vocabulary (the windowed decode stopped emitting for good there)."""
+    from edgefinfer.runtime.backends.llamacpp_binding import LlamaModel
+    from edgefinfer.runtime.backends.llamacpp_tokenizer import LlamaVocabTokenizer
+    from tests.test_gguf_import import tiny_model as gguf_tiny_model, train_vocab, write_gguf
+
+    vocab = train_vocab()
+    path = write_gguf(tmp_path / f"{pre}.gguf", gguf_tiny_model(len(vocab["tokens"])), vocab, pre=pre)
+    tokenizer = LlamaVocabTokenizer.for_gguf(LlamaModel(path, vocab_only=True), full=lambda: None)
+    text = "Is it ? Yes , it ' s here . Caf\u00e9 \U0001f600 done !"
+    ids = tokenizer.encode(text)
+    assert (tokenizer.decode(ids) != text) is cleans  # "Is it? Yes, it's here. ..."
+    stream = tokenizer.stream_decoder()
+    assert "".join([stream.push(i) for i in ids] + [stream.flush()]) == text
+
+
+@pytest.mark.reference
+@pytest.mark.llamacpp
 def test_every_token_joins_alike(pair):
     name, ours, llama = pair
     assert llama.vocab_size == ours.vocab_size

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Literal
 
-from edgefinfer.tokenization.tokenizer import IncrementalDecoder, Tokenizer
+from edgefinfer.tokenization.tokenizer import Tokenizer
 
 
 @dataclass
@@ -49,6 +49,8 @@ class StopStringMatcher:
 
     def push(self, delta: str) -> tuple[str, bool]:
         """-> (text safe to emit, stopped)."""
+        if not self.stops:  # nothing to hold back (most requests: a step's token costs no more)
+            return delta, False
         self.pending += delta
         for stop in self.stops:
             at = self.pending.find(stop)
@@ -108,7 +110,7 @@ def detokenize(tokenizer: Tokenizer, tokens: Iterator[int], stop_ids: tuple[int,
 
     Closing the returned generator closes `tokens` too, so an abandoned stream stops decoding.
     """
-    decoder, matcher = IncrementalDecoder(tokenizer), StopStringMatcher(stop or [])
+    decoder, matcher = tokenizer.stream_decoder(), StopStringMatcher(stop or [])
     try:
         for tok in tokens:
             if on_token is not None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from edgefinfer.errors import UserError
 from edgefinfer.files.untrusted import MAX_TOKENIZER_BYTES, check_file_size, read_json
@@ -102,6 +102,10 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def stream_decoder(self, skip_special_tokens: bool = True) -> StreamDecoder:
+        """A decoder of one generation's token ids into text deltas that join into `decode` of them all."""
+        return IncrementalDecoder(self, skip_special_tokens)
+
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
             raise UserError("this tokenizer has no chat template; use a plain prompt instead of --chat")
@@ -111,6 +115,15 @@ class Tokenizer:
         return _compile_template(self.chat_template).render(
             messages=messages, add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+
+
+class StreamDecoder(Protocol):
+    """Token ids -> text deltas, one token at a time; joined, the deltas of a generation (its `flush`
+    included) are its whole text. A character split over tokens comes whole, once its last byte is in."""
+
+    def push(self, token_id: int) -> str: ...
+
+    def flush(self) -> str: ...
 
 
 class IncrementalDecoder:

@@ -94,6 +94,7 @@ class LlamaModel:
         self.vocab = lib.llama_model_get_vocab(self.ptr)
         self.vocab_size = lib.llama_vocab_n_tokens(self.vocab)
         self._entries: dict[str, int] | None = None  # vocabulary entry -> id, built on demand (`token_id`)
+        self._pieces: tuple[dict[int, bytes], dict[int, bytes]] = ({}, {})  # `piece`'s, by render_special
         self.n_ctx_train = lib.llama_model_n_ctx_train(self.ptr)
         # A window the GGUF declares but llama.cpp does not apply: the pinned llama.cpp reads
         # `<arch>.attention.sliding_window` only for architectures with their own windowed layers
@@ -142,12 +143,28 @@ class LlamaModel:
         """The text of `ids` joined as llama.cpp joins them; special (control) tokens as their text only
         with `render_special`. Bytes that are not (yet) whole UTF-8 become U+FFFD, as a tokenizer's
         decode makes them."""
+        return self.detokenize_bytes(ids, render_special).decode(errors="replace")
+
+    def detokenize_bytes(self, ids: Sequence[int], render_special: bool = False) -> bytes:
+        """`detokenize`'s bytes, before UTF-8 decoding (they may end inside a character)."""
         tokens = (self.lib.llama_token * len(ids))(*ids)
 
         def call(buf, size):
             return self.lib.llama_detokenize(self.vocab, tokens, len(ids), buf, size, False, render_special)
         buf, n = _sized(ctypes.create_string_buffer, 8 * len(ids) + 16, call)
-        return buf.raw[:n].decode(errors="replace")
+        return buf.raw[:n]
+
+    def piece(self, token: int, render_special: bool = False) -> bytes:
+        """The bytes `token` adds to a text it does not start (`llama_token_to_piece`, no leading space
+        stripped), as llama-server streams them; remembered per token (one ctypes call the first time)."""
+        cache = self._pieces[render_special]
+        data = cache.get(token)
+        if data is None:
+            def call(buf, size):
+                return self.lib.llama_token_to_piece(self.vocab, token, buf, size, 0, render_special)
+            buf, n = _sized(ctypes.create_string_buffer, 32, call)
+            data = cache[token] = buf.raw[:n]
+        return data
 
     def special_token(self, which: str) -> int | None:
         """The "bos" / "eos" / "eot" id the file names (`tokenizer.ggml.<which>_token_id`), else None:

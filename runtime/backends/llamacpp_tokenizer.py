@@ -20,13 +20,14 @@ built the first time something asks for `backend`.
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from edgefinfer.bundle.resolve import ModelSource
 from edgefinfer.runtime.backends.llamacpp_binding import LlamaModel
-from edgefinfer.tokenization.tokenizer import Tokenizer, read_special_tokens
+from edgefinfer.tokenization.tokenizer import StreamDecoder, Tokenizer, read_special_tokens
 
 
 class LlamaVocabTokenizer(Tokenizer):
@@ -76,4 +77,36 @@ class LlamaVocabTokenizer(Tokenizer):
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.model.detokenize(ids, render_special=not skip_special_tokens)
+
+    def stream_decoder(self, skip_special_tokens: bool = True) -> StreamDecoder:
+        return PieceDecoder(self.model, render_special=not skip_special_tokens)
+
+
+class PieceDecoder:
+    """Text deltas as llama-server streams them: each token's bytes (`LlamaModel.piece`, remembered per
+    token) through an incremental UTF-8 decoder, which holds back a character split over tokens. A
+    dictionary lookup a token where the windowed `IncrementalDecoder` made two llama_detokenize calls
+    (at one request 0.09 ms of a 13 ms step went to text, bench/server_step.py). The first token goes
+    through detokenize, whose start-of-text rule (a SentencePiece vocabulary's leading space dropped,
+    as `tokenizers` drops it too) is the one a join of pieces lacks.
+
+    The deltas join into `LlamaModel.detokenize` of all the ids but where llama.cpp cleans spaces
+    (`clean_spaces`, on for some byte-level vocabularies: Llama 3's, GPT-2's): its whole-text decode
+    drops the space before ? ! . , which a stream has sent before the punctuation came. The windowed
+    decode then stopped emitting for good (a window no longer started with its prefix); here the
+    text keeps its spaces, as llama-server's and vLLM's streams and `tokenizers`' decode keep them."""
+
+    def __init__(self, model: LlamaModel, render_special: bool):
+        self._model, self._render_special = model, render_special
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._started = False
+
+    def push(self, token_id: int) -> str:
+        if self._started:
+            return self._utf8.decode(self._model.piece(token_id, self._render_special))
+        self._started = True
+        return self._utf8.decode(self._model.detokenize_bytes([token_id], self._render_special))
+
+    def flush(self) -> str:
+        return self._utf8.decode(b"", final=True)
 
