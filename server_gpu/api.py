@@ -431,7 +431,12 @@ async def _sse(sub: Submission, builder: fmt.Builder, include_usage: bool) -> As
 
 
 def _event(obj: dict) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + _JSON.encode(obj).encode() + b"\n\n"
+
+
+# One encoder for every event: json.dumps with any non-default argument builds a new one per call
+# (a chunk's encoding 8.7 -> 6.3 us, warm).
+_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 
 
 async def _unless_disconnected(receive: Receive, work: Awaitable[dict]) -> dict | None:
