@@ -223,11 +223,7 @@ class ServingEngine:
     def _record(self, plan: StepPlan, seconds: float, stats: StepStats) -> None:
         m = self.metrics
         if plan.work:
-            m.record_step(seconds, stats.generated, stats.ttft_s, stats.itl_s)
-        if stats.prompt_tokens:
-            m.inc("prompt_tokens_total", stats.prompt_tokens)
-        if stats.generated:
-            m.inc("generation_tokens_total", stats.generated)
+            m.record_step(seconds, stats.generated, stats.ttft_s, stats.itl_s, stats.prompt_tokens)
         if stats.preemptions:
             m.inc("preemptions_total", stats.preemptions)
         if stats.drafted:

@@ -73,9 +73,17 @@ class Metrics:
         with self._lock:
             self.counters[key] = self.counters.get(key, 0.0) + value
 
-    def record_step(self, seconds: float, generated: int, ttft: Sequence[float], itl: Sequence[float]) -> None:
+    def record_step(self, seconds: float, generated: int, ttft: Sequence[float], itl: Sequence[float],
+                    prompt_tokens: int = 0) -> None:
+        """One engine step, its token counters included: one lock a step (at one request a step is a
+        token, and the engine thread's Python between llama_decode calls is what C = 1 pays for)."""
         now = time.monotonic()
         with self._lock:
+            counters = self.counters
+            if generated:
+                counters[_GENERATED] = counters.get(_GENERATED, 0.0) + generated
+            if prompt_tokens:
+                counters[_PROMPT] = counters.get(_PROMPT, 0.0) + prompt_tokens
             self.step.observe(seconds)
             for x in ttft:
                 self.ttft.observe(x)
@@ -141,6 +149,8 @@ class Metrics:
                 lines.extend(hist.lines(f"{PREFIX}_{name}"))
         return "\n".join(lines) + "\n"
 
+
+_GENERATED, _PROMPT = ("generation_tokens_total", ()), ("prompt_tokens_total", ())  # `counters` keys
 
 _COUNTER_HELP = {
     "prompt_tokens_total": "Prompt tokens computed (prefix-cache hits excluded, recomputation included).",

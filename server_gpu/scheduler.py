@@ -459,15 +459,16 @@ class Scheduler:
             seq.tokens.append(tok)
             emitted.append(tok)
             self._stats.generated += 1
-            if finish := finish_reason(stop_id=tok in self.stop_ids and not p.ignore_eos):
-                return text, emitted, finish, False
+            if tok in self.stop_ids and not p.ignore_eos:
+                return text, emitted, finish_reason(stop_id=True), False
             out, stop_string = seq.text.push(tok)
             text += out
             # The grammar is judged after the step's last token (the runtime, too, ends it without an EOS step).
             grammar_done = seq.matcher is not None and len(emitted) == len(tokens) and seq.matcher.finished
             at_limit = seq.num_output >= p.max_tokens or len(seq.tokens) >= self.config.max_model_len
-            if finish := finish_reason(stop_string=stop_string, grammar_done=grammar_done, at_limit=at_limit):
-                return text, emitted, finish, stop_string
+            if stop_string or grammar_done or at_limit:  # (`finish_reason` says which it is)
+                return text, emitted, finish_reason(stop_string=stop_string, grammar_done=grammar_done,
+                                                    at_limit=at_limit), stop_string
         return text, emitted, None, False
 
     def _finish(self, seq: Seq, reason: str) -> None:

@@ -379,13 +379,15 @@ def test_prometheus_exposition():
                                "h_sum 5.55", "h_count 3"]
     m = Metrics(lambda: {"waiting": 2, "kv_used": 3, "kv_free": 5, "kv_total": 8})
     m.inc("requests_total", finish_reason="stop")
-    m.record_step(0.02, 4, [0.3], [0.01, 0.02])
+    m.record_step(0.02, 4, [0.3], [0.01, 0.02], prompt_tokens=7)
+    m.record_step(0.01, 1, [], [0.01])
     text = m.render()
+    assert "edgefinfer_generation_tokens_total 5\n" in text and "edgefinfer_prompt_tokens_total 7\n" in text
     assert "edgefinfer_num_requests_waiting 2\n" in text
     assert 'edgefinfer_kv_blocks{state="used"} 3\n' in text
     assert 'edgefinfer_requests_total{finish_reason="stop"} 1\n' in text
     assert 'edgefinfer_time_to_first_token_seconds_bucket{le="0.5"} 1\n' in text
-    assert "edgefinfer_inter_token_latency_seconds_count 2\n" in text
+    assert "edgefinfer_inter_token_latency_seconds_count 3\n" in text
     assert "# TYPE edgefinfer_inter_token_latency_seconds histogram\n" in text
 
 

@@ -461,7 +461,7 @@ class PagedKVManager:
         seq = self._get(seq_id)
         cost, cow = self._append_cost(seq, len(token_ids))
         behind = self._behind_window(seq)
-        reclaimable = self._num_reclaimable(seq, behind)
+        reclaimable = self._num_reclaimable(seq, behind) if behind else 0
         if cost > self.pool.num_free + reclaimable:
             return NoRoom(cost, self.pool.num_free + reclaimable)
 
