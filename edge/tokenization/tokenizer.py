@@ -103,7 +103,8 @@ class Tokenizer:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def stream_decoder(self, skip_special_tokens: bool = True) -> StreamDecoder:
-        """A decoder of one generation's token ids into text deltas that join into `decode` of them all."""
+        """A decoder of one generation's token ids into text deltas that join into `decode` of them all
+        (llama.cpp's vocabularies: see `PieceDecoder` for the one rule of a whole-text decode it keeps out)."""
         return IncrementalDecoder(self, skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:

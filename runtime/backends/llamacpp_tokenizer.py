@@ -109,4 +109,3 @@ class PieceDecoder:
 
     def flush(self) -> str:
         return self._utf8.decode(b"", final=True)
-
