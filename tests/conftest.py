@@ -11,6 +11,9 @@ import pytest
 import torch
 
 # Tests measure behaviour, not speed: one intra-op thread keeps them stable on a shared 2-core box.
+# The llama.cpp engines that tests size themselves take one thread too: with both workers busy,
+# OpenMP threads that spin at every barrier wait on each other (the GGUF session test took 54 s
+# with two threads and 34 s with one while the other core was busy).
 torch.set_num_threads(int(os.environ.get("EDGEFINFER_TEST_THREADS", "1")))
 
 
@@ -80,7 +83,7 @@ def pytest_make_collect_report(collector):
 # tests and ~230 s, to a worker last: 106 s more than the other worker's). Longest first, as measured
 # with `--junitxml` (seconds of all its tests, one thread, both workers busy); every other file follows
 # in collection order. Keep the list to files above ~50 s; a file that grows past that belongs here.
-SLOWEST_FILES = ("test_quant_reference.py",  # ~230 s
+SLOWEST_FILES = ("test_quant_reference.py",  # ~200 s
                  "test_build.py",  # ~155
                  "test_server_replicas.py",  # ~135 (three local Ray clusters)
                  "test_server_load.py",  # ~80

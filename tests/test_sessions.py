@@ -356,7 +356,7 @@ def test_a_smollm2_gguf_conversation_equals_stateless_runs_because_replies_are_p
     from edgefinfer.model import reference
 
     path = reference.gguf_path("smollm2-135m")
-    engine, stateless_engine = (Engine.load(path, max_seq_len=1024, threads=2) for _ in range(2))
+    engine, stateless_engine = (Engine.load(path, max_seq_len=1024, threads=1) for _ in range(2))
     messages = ["What is the capital of France?", "Tell me about its museums.", "And its food?",
                 "Which one would you pick first?"]
     for exact in (True, False):

@@ -116,7 +116,7 @@ def engine():
     from edgefinfer.model import reference
     from edgefinfer.runtime.engine import Engine
 
-    return Engine.load(reference.gguf_path(MODEL), threads=2)
+    return Engine.load(reference.gguf_path(MODEL), threads=1)
 
 
 def _schema_format(task: dict) -> dict:
@@ -170,7 +170,7 @@ def test_constrained_speculation_on_the_reference_model_stays_within_the_schema(
     from edgefinfer.runtime.engine import Engine
 
     gguf = reference.gguf_path(MODEL)
-    spec = Engine.load(gguf, threads=2, speculative=f"draft:{gguf},3" if speculative == "draft" else speculative)
+    spec = Engine.load(gguf, threads=1, speculative=f"draft:{gguf},3" if speculative == "draft" else speculative)
     task = tasks()[17]
     prompt = task["prompt"] + " " + json.dumps({"title": "Dune", "tags": ["sand", "sand"]})  # something to look up
     out = spec.generate(prompt, max_tokens=200, chat=True, response_format=_schema_format(task))
