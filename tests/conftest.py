@@ -10,11 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import TEST_THREADS
+
 # Tests measure behaviour, not speed: one intra-op thread keeps them stable on a shared 2-core box.
-# The llama.cpp engines that tests size themselves take one thread too: with both workers busy,
+# The llama.cpp engines that tests size themselves take TEST_THREADS too: with both workers busy,
 # OpenMP threads that spin at every barrier wait on each other (the GGUF session test took 54 s
 # with two threads and 34 s with one while the other core was busy).
-torch.set_num_threads(int(os.environ.get("EDGEFINFER_TEST_THREADS", "1")))
+torch.set_num_threads(TEST_THREADS)
 
 
 @pytest.fixture(scope="session")

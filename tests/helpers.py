@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from edgefinfer.model.config import ModelConfig
 from edgefinfer.model.transformer import Transformer
 
+# Threads for torch (conftest) and for the llama.cpp engines tests size themselves: one, so two
+# workers on two cores do not wait on each other's spinning OpenMP threads.
+TEST_THREADS = int(os.environ.get("EDGEFINFER_TEST_THREADS", "1"))
 
 def tiny_config(**overrides) -> ModelConfig:
     base = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

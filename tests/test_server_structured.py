@@ -18,7 +18,7 @@ import pytest
 
 from edgefinfer.server_gpu.request import GenerationParams
 from edgefinfer.decoding.structured import Constraint, Grammar
-from tests.helpers import tiny_model, tiny_tokenizer
+from tests.helpers import TEST_THREADS, tiny_model, tiny_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from structured_tasks import is_valid, tasks  # noqa: E402
@@ -45,7 +45,7 @@ def server():
     from edgefinfer.server_gpu.launch import BackgroundServer
     from edgefinfer.server_gpu.loader import ServeOptions, build_engine
 
-    engine, name = build_engine(ServeOptions(MODEL, max_num_seqs=4, max_model_len=1024, threads=1, batch_invariant=True))
+    engine, name = build_engine(ServeOptions(MODEL, max_num_seqs=4, max_model_len=1024, threads=TEST_THREADS, batch_invariant=True))
     with BackgroundServer(create_app(engine, name)) as srv:
         srv.engine, srv.name = engine, name
         yield srv
@@ -67,7 +67,7 @@ def test_json_schema_gives_the_device_engines_tokens(server, client):
     from edgefinfer.model import reference
     from edgefinfer.runtime.engine import Engine
 
-    runtime = Engine.load(reference.gguf_path(MODEL), threads=1)
+    runtime = Engine.load(reference.gguf_path(MODEL), threads=TEST_THREADS)
     for task in (tasks()[5], tasks()[31]):
         expect = runtime.generate(task["prompt"], max_tokens=160, chat=True, response_format=_format(task))
         got = client.chat.completions.create(model=server.name, messages=[{"role": "user", "content": task["prompt"]}],

@@ -18,7 +18,7 @@ from edgefinfer.runtime.engine import Engine
 from edgefinfer.runtime.session import (MAGIC, common_prefix, conversation_cuts, encode_messages, reply_spans,
                                         turn_aligned)
 from edgefinfer.decoding.structured import Constraint
-from tests.helpers import tiny_model, tiny_tokenizer
+from tests.helpers import TEST_THREADS, tiny_model, tiny_tokenizer
 
 CTX = 256
 WINDOW = dict(window=24, num_sinks=2, lookahead=8)
@@ -356,7 +356,7 @@ def test_a_smollm2_gguf_conversation_equals_stateless_runs_because_replies_are_p
     from edgefinfer.model import reference
 
     path = reference.gguf_path("smollm2-135m")
-    engine, stateless_engine = (Engine.load(path, max_seq_len=1024, threads=1) for _ in range(2))
+    engine, stateless_engine = (Engine.load(path, max_seq_len=1024, threads=TEST_THREADS) for _ in range(2))
     messages = ["What is the capital of France?", "Tell me about its museums.", "And its food?",
                 "Which one would you pick first?"]
     for exact in (True, False):

@@ -16,7 +16,7 @@ from edgefinfer.errors import UserError
 from edgefinfer.runtime.speculative.proposers import Draft
 from edgefinfer.decoding.structured import Constraint, GrammarCompiler, trim_draft
 from edgefinfer.tokenization.tokenizer import Tokenizer
-from tests.helpers import tiny_tokenizer
+from tests.helpers import TEST_THREADS, tiny_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from structured_tasks import is_valid, tasks  # noqa: E402
@@ -116,7 +116,7 @@ def engine():
     from edgefinfer.model import reference
     from edgefinfer.runtime.engine import Engine
 
-    return Engine.load(reference.gguf_path(MODEL), threads=1)
+    return Engine.load(reference.gguf_path(MODEL), threads=TEST_THREADS)
 
 
 def _schema_format(task: dict) -> dict:
@@ -170,7 +170,7 @@ def test_constrained_speculation_on_the_reference_model_stays_within_the_schema(
     from edgefinfer.runtime.engine import Engine
 
     gguf = reference.gguf_path(MODEL)
-    spec = Engine.load(gguf, threads=1, speculative=f"draft:{gguf},3" if speculative == "draft" else speculative)
+    spec = Engine.load(gguf, threads=TEST_THREADS, speculative=f"draft:{gguf},3" if speculative == "draft" else speculative)
     task = tasks()[17]
     prompt = task["prompt"] + " " + json.dumps({"title": "Dune", "tags": ["sand", "sand"]})  # something to look up
     out = spec.generate(prompt, max_tokens=200, chat=True, response_format=_schema_format(task))
