@@ -22,6 +22,9 @@ def machine() -> dict:
         "processor": platform.processor() or platform.machine(),
         "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
+        # The affinity mask, which thread defaults follow (edgefinfer.cpus; read here without the
+        # package, which bench/first_run.py runs before installing).
+        "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
         "load_avg_at_start": [round(x, 2) for x in os.getloadavg()],
     }

@@ -10,13 +10,13 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import logging
-import os
 import signal
 import socket
 import threading
 from urllib.parse import urlparse
 
 from edgefinfer.errors import UserError
+from edgefinfer.cpus import usable_cpus
 from edgefinfer.server_gpu.replica_spec import ReplicaSpec
 
 INSTALL_HINT = "pip install 'edgefinfer[replicas]' (ray[serve])"
@@ -72,7 +72,7 @@ def serve_replicas(spec: ReplicaSpec, n_replicas: int, threads: int, address: st
     if address is None:
         # Ray starts its workers at nice 15 (`worker_niceness`, for batch jobs): an engine replica would
         # then lose its cores to anything else on the host. A server's replicas run at normal priority.
-        ray.init(num_cpus=max(os.cpu_count() or 1, n_replicas * threads), include_dashboard=False,
+        ray.init(num_cpus=max(usable_cpus(), n_replicas * threads), include_dashboard=False,
                  logging_level=logging.WARNING, log_to_driver=False, _system_config={"worker_niceness": 0})
     else:
         ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)

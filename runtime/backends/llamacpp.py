@@ -17,12 +17,12 @@ A removed cell cannot come back, so a rollback past the window's edge is impossi
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
 
+from edgefinfer.cpus import usable_cpus
 from edgefinfer.errors import UserError
 from edgefinfer.runtime.backends.base import UNBOUNDED
 from edgefinfer.runtime.backends.llamacpp_binding import CellFormat, LlamaContext, LlamaModel, runtime_cells
@@ -48,7 +48,7 @@ class LlamaCppBackend:
             n_ctx = num_sinks + window  # cells: never more are held
         else:
             self.model.check_window(n_ctx, "--max-seq-len")
-        cores = os.cpu_count() or 1
+        cores = usable_cpus()
         # The cells: exact f32 for float weights, llama.cpp's f16 for quantized ones, plain attention
         # (`runtime_cells` says why). Without `threads`, llama-cpp-python's defaults (which this
         # backend used before): half the cores for one-token steps, all of them for prompts.

@@ -1,0 +1,54 @@
+"""Thread defaults follow the CPUs a process may run on, not the host's count: under `taskset` or a
+container's cpuset, llama.cpp with one thread per host CPU runs spinning threads on shared cores."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.server_harness import ROOT, tiny_gguf
+
+needs_two = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 if hasattr(os, "sched_getaffinity") else True,
+                               reason="needs an affinity mask of two or more CPUs to narrow")
+
+
+@needs_two
+def test_usable_cpus_reads_the_affinity_mask_not_the_host():
+    one = min(os.sched_getaffinity(0))
+    code = f"""
+        import os
+        from edgefinfer.cpus import usable_cpus
+        os.sched_setaffinity(0, {{{one}}})
+        print(usable_cpus(), os.cpu_count())
+    """
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out[0] == "1" and int(out[1]) >= 2
+
+
+@needs_two
+def test_llama_context_without_threads_uses_one_per_usable_cpu(tmp_path):
+    pytest.importorskip("llama_cpp")
+    gguf = tiny_gguf(tmp_path / "tiny.gguf")
+    pinned = sorted(os.sched_getaffinity(0))[:2]
+    code = f"""
+        import os, sys
+        from edgefinfer.runtime.backends.llamacpp import LlamaCppBackend
+        from edgefinfer.runtime.backends.llamacpp_binding import LlamaContext, LlamaModel
+        counts = []
+        for cpus in ({{{pinned[0]}}}, {set(pinned)}):
+            os.sched_setaffinity(0, cpus)
+            model = LlamaModel(sys.argv[1])
+            ctx = LlamaContext(model, 1, 64)
+            backend = LlamaCppBackend(sys.argv[1], n_ctx=64)
+            counts.append((ctx.threads, backend.ctx.threads))
+            ctx.close(); model.close()
+        print(counts)
+    """
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code), str(gguf)], cwd=ROOT, capture_output=True,
+                         text=True, check=True).stdout
+    assert out.strip() == "[(1, 1), (2, 2)]"
