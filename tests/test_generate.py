@@ -141,6 +141,22 @@ def test_incremental_decoder_equals_full_decode_and_decodes_a_short_window(make)
         assert dec.read_offset == n and n - dec.prefix_offset <= 2
 
 
+def test_incremental_decoder_keeps_streaming_after_a_decoder_rewrites_sent_text():
+    """A decoder that rewrites across tokens ("ab" -> "X" after Fuse) changes text already sent; what
+    was sent stays sent, and every later token's text still arrives (it once stopped for good)."""
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+
+    backend = HFTokenizer(models.WordLevel({w: i for i, w in enumerate(["<unk>", "a", "b", "c", "d"])}, "<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.decoder = decoders.Sequence([decoders.Fuse(), decoders.Replace("ab", "X")])
+    tok = Tokenizer(backend)
+    ids = tok.encode("a b c d c")
+    assert tok.decode(ids) == "Xcdc"
+    dec = IncrementalDecoder(tok)
+    pieces = [dec.push(i) for i in ids] + [dec.flush()]
+    assert pieces == ["a", "", "c", "d", "c", ""]
+
+
 def test_stream_text_with_stop_string_and_streamed_equals_full():
     tok = tiny_tokenizer()
     tok.eos_token = None  # a random model may emit <|im_end|>; here we test the length and stop-string paths

@@ -120,7 +120,8 @@ class Tokenizer:
 
 class StreamDecoder(Protocol):
     """Token ids -> text deltas, one token at a time; joined, the deltas of a generation (its `flush`
-    included) are its whole text. A character split over tokens comes whole, once its last byte is in."""
+    included) are its whole text (where a decoder rewrites text already sent, what follows it: see
+    `IncrementalDecoder._advance`). A character split over tokens comes whole, once its last byte is in."""
 
     def push(self, token_id: int) -> str: ...
 
@@ -159,8 +160,12 @@ class IncrementalDecoder:
         decode = self.tokenizer.decode
         prefix = decode(self.ids[self.prefix_offset:self.read_offset], self.skip_special_tokens)
         text = decode(self.ids[self.prefix_offset:], self.skip_special_tokens)
-        if len(text) <= len(prefix) or not text.startswith(prefix) or (text.endswith("\ufffd") and not final):
+        if len(text) <= len(prefix) or (text.endswith("\ufffd") and not final):
             return ""  # nothing new yet, or an incomplete character at the end: wait for the next token
+        # The delta is what follows the emitted text's length, whether or not `text` still starts with
+        # it: a decoder that rewrites across tokens (a Replace after Fuse) can change text already sent,
+        # which no delta takes back, and waiting for the windows to agree again lost the rest of the
+        # generation. vLLM's detokenizer slices the same way.
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return text[len(prefix):]
 
