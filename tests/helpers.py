@@ -13,6 +13,7 @@ from edgefinfer.model.transformer import Transformer
 # workers on two cores do not wait on each other's spinning OpenMP threads.
 TEST_THREADS = int(os.environ.get("EDGEFINFER_TEST_THREADS", "1"))
 
+
 def tiny_config(**overrides) -> ModelConfig:
     base = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6, eos_token_id=96)
