@@ -19,3 +19,12 @@ def usable_cpus() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):  # macOS and Windows have no sched_getaffinity
         return os.cpu_count() or 1
+
+
+def affinity_cap() -> int | None:
+    """`usable_cpus()` where the mask is narrower than the host (a cpuset), else None. For libraries that
+    size their pools by the host's CPUs whatever the mask (ONNX Runtime's intra-op pool, ExecuTorch's
+    threadpool: 2 threads under `taskset -c 0` here): on a whole host their own default (ONNX Runtime's
+    is the physical cores) stays theirs."""
+    n = usable_cpus()
+    return n if n < (os.cpu_count() or n) else None

@@ -10,6 +10,7 @@ import textwrap
 
 import pytest
 
+from edgefinfer.cpus import affinity_cap
 from tests.server_harness import ROOT, tiny_gguf
 
 needs_two = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 if hasattr(os, "sched_getaffinity") else True,
@@ -52,3 +53,34 @@ def test_llama_context_without_threads_uses_one_per_usable_cpu(tmp_path):
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(code), str(gguf)], cwd=ROOT, capture_output=True,
                          text=True, check=True).stdout
     assert out.strip() == "[(1, 1), (2, 2)]"
+
+
+@needs_two
+def test_onnx_runtime_and_executorch_pools_follow_a_narrowed_mask(tmp_path):
+    """Both libraries size their pools by the host whatever the mask (ExecuTorch: 2 threads under
+    `taskset -c 0` here); on a narrowed mask the backends size them to it, on the whole host they
+    keep the libraries' own defaults."""
+    pytest.importorskip("executorch")
+    pytest.importorskip("onnxruntime")
+    from edgefinfer.compile.executorch_export import export_pte
+    from tests.helpers import tiny_model
+
+    pte = tmp_path / "m.pte"
+    export_pte(tiny_model(), pte, recipe="fp32", max_seq_len=32, progress=False, cache=False)
+    code = """
+        import os, sys
+        if sys.argv[2] == "one":
+            os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+        from edgefinfer.runtime.backends.executorch import ExecuTorchBackend, runtime_module
+        from edgefinfer.runtime.backends.ort import session_options
+        ExecuTorchBackend(sys.argv[1])
+        print(runtime_module()._threadpool_get_thread_count(), session_options(None).intra_op_num_threads)
+    """
+    def pools(mask: str) -> str:
+        env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+        return subprocess.run([sys.executable, "-c", textwrap.dedent(code), str(pte), mask], cwd=ROOT, env=env,
+                              capture_output=True, text=True, check=True).stdout.split()
+
+    assert pools("one") == ["1", "1"]
+    cap = affinity_cap()  # not None where this process itself runs under a cpuset
+    assert pools("all") == [str(cap or os.cpu_count()), str(cap or 0)]

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from edgefinfer.bundle.artefact import PTE_SLOT_POSITIONS, pte_kv_buffers, read_spec
+from edgefinfer.cpus import affinity_cap
 from edgefinfer.errors import UserError
 from edgefinfer.runtime.backends.base import UNBOUNDED
 
@@ -120,6 +121,7 @@ class ExecuTorchBackend:
             raise UserError(f"ExecuTorch program {path} does not exist (export one with `edgefinfer build`)")
         register_kernels()
         runtime = runtime_module()
+        threads = threads or affinity_cap()  # None: ExecuTorch's pool, one thread per host CPU
         if threads is not None:
             set_threads(threads)
         try:

@@ -32,6 +32,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from edgefinfer.bundle.artefact import read_spec
+from edgefinfer.cpus import affinity_cap
 from edgefinfer.errors import UserError
 from edgefinfer.libraries.ort_ep import import_ort as _import_ort
 from edgefinfer.libraries.ort_ep import qnn_context_session
@@ -71,7 +72,8 @@ def _call_once(fn: Callable[[], None]) -> Callable[[], None]:
 def session_options(threads: int | None):
     ort = _import_ort()
     so = ort.SessionOptions()
-    so.intra_op_num_threads = threads or int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
+    # 0: ONNX Runtime's default, one per physical core of the host, even under a cpuset (`affinity_cap`).
+    so.intra_op_num_threads = threads or int(os.environ.get("OMP_NUM_THREADS", "0") or 0) or affinity_cap() or 0
     so.inter_op_num_threads = 1
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
