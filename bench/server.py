@@ -65,7 +65,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import RESULTS, machine, print_table, result_stem, versions, write_results  # noqa: E402
-from edgefinfer.cpus import usable_cpus  # noqa: E402
+from edgefinfer.cpus import usable_cores  # noqa: E402
 
 PROMPTS = [
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -460,8 +460,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="one run of each, one request per client")
     ap.add_argument("--model", default=None, help="GGUF file (default: the shipped SmolLM2-135M Q4_1)")
-    ap.add_argument("--threads", type=int, default=int(os.environ.get("BENCH_THREADS", usable_cpus())),
-                    help="CPU threads for every server (default: every CPU this process may run on)")
+    ap.add_argument("--threads", type=int, default=int(os.environ.get("BENCH_THREADS", usable_cores())),
+                    help="CPU threads for every server (default: one per physical core this process may run on)")
     ap.add_argument("--gpu-layers", type=int, default=0, help="offload layers (CUDA builds), every server")
     ap.add_argument("--repeats", type=int, default=None, help="interleaved runs per row (default 3; 1 with --quick)")
     ap.add_argument("--max-tokens", type=int, default=None, help="tokens per completion (default 48, 16 quick)")

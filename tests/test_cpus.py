@@ -1,16 +1,18 @@
 """Thread defaults follow the CPUs a process may run on, not the host's count: under `taskset` or a
-container's cpuset, llama.cpp with one thread per host CPU runs spinning threads on shared cores."""
+container's cpuset, llama.cpp with one thread per host CPU runs spinning threads on shared cores. The
+server's llama.cpp threads are one per physical core (SMT siblings counted once), llama.cpp's default."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
 
 import pytest
 
-from edgefinfer.cpus import affinity_cap
+from edgefinfer.cpus import affinity_cap, usable_cores
 from tests.server_harness import ROOT, tiny_gguf
 
 needs_two = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 if hasattr(os, "sched_getaffinity") else True,
@@ -31,8 +33,28 @@ def test_usable_cpus_reads_the_affinity_mask_not_the_host():
     assert out[0] == "1" and int(out[1]) >= 2
 
 
+def test_usable_cores_counts_smt_siblings_once(tmp_path):
+    """Two cores with two SMT threads each (siblings 0,2 and 1,3, as Linux numbers them on x86)."""
+    for cpu, siblings in {0: "0,2", 1: "1,3", 2: "0,2", 3: "1,3"}.items():
+        (tmp_path / f"cpu{cpu}" / "topology").mkdir(parents=True)
+        (tmp_path / f"cpu{cpu}" / "topology" / "thread_siblings_list").write_text(siblings + "\n")
+    assert usable_cores({0, 1, 2, 3}, tmp_path) == 2
+    assert usable_cores({0, 2}, tmp_path) == 1  # one core's two threads
+    assert usable_cores({0, 1}, tmp_path) == 2
+    assert usable_cores({0, 1, 7}, tmp_path) == 3  # cpu7's topology is missing: one core per CPU
+
+
+@pytest.mark.skipif(shutil.which("lscpu") is None, reason="needs util-linux's lscpu as the reference")
+def test_usable_cores_agrees_with_lscpu_on_this_host():
+    rows = subprocess.run(["lscpu", "-p=CPU,CORE,SOCKET"], capture_output=True, text=True, check=True).stdout
+    mask = os.sched_getaffinity(0)
+    cores = {tuple(line.split(",")[1:]) for line in rows.splitlines()
+             if line and not line.startswith("#") and int(line.split(",")[0]) in mask}
+    assert usable_cores() == len(cores)
+
+
 @needs_two
-def test_llama_context_without_threads_uses_one_per_usable_cpu(tmp_path):
+def test_llama_contexts_without_threads_follow_the_mask(tmp_path):
     pytest.importorskip("llama_cpp")
     gguf = tiny_gguf(tmp_path / "tiny.gguf")
     pinned = sorted(os.sched_getaffinity(0))[:2]

@@ -13,7 +13,7 @@ import sys
 import click
 
 from edgefinfer.app.entry_point import run_command
-from edgefinfer.cpus import usable_cpus
+from edgefinfer.cpus import usable_cores
 from edgefinfer.errors import UserError
 
 
@@ -72,7 +72,8 @@ from edgefinfer.errors import UserError
               help="llama.cpp layers offloaded to the GPU (CUDA build; 999 = all).")
 @click.option("--device", default="cpu", show_default=True, help="torch backend device (cpu, cuda).")
 @click.option("--threads", type=click.IntRange(1), default=None,
-              help="CPU threads (default: one per CPU this process may run on; with --replicas, split between them).")
+              help="CPU threads (default: one per physical core this process may run on, as llama-server's; "
+                   "with --replicas, split between them).")
 @click.option("--speculative", default=None, metavar="SPEC",
               help="lookup[:NGRAM][,K] (prompt lookup) or draft:GGUF[,K] (a draft model).")
 @click.option("--fixed-k", is_flag=True, help="Always draft K tokens (default: adaptive, off when it does not pay).")
@@ -126,7 +127,7 @@ def serve(model: str, backend: str | None, host: str, port: int, max_num_seqs: i
         from edgefinfer.server_gpu.prefix_router import Routing
         n = 1 if replicas is None else replicas
         rl.preflight(n, address)
-        per = threads or max(1, usable_cpus() // n)
+        per = threads or max(1, usable_cores() // n)
         spec = rl.ReplicaSpec(dataclasses.replace(opts, threads=per), api_key,
                               ServerLimits(max_body_bytes=max_body_bytes), routing=Routing(routing or "prefix"))
         return rl.serve_replicas(spec, n, per, address, host, port, shutdown_grace_s)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edgefinfer.cpus import usable_cpus
+from edgefinfer.cpus import usable_cores
 from edgefinfer.errors import UserError
 from edgefinfer.files.untrusted import GgufHeader, check_gguf
 from edgefinfer.runtime.backends.llamacpp_lib import llama_cpp_lib, silence, take_early_load
@@ -228,7 +228,8 @@ class LlamaContext:
     """One llama context holding `num_slots` sequences, and a reusable batch of `max_tokens` tokens.
 
     threads: for batches of several tokens, and for one-token steps unless `decode_threads` says
-    otherwise (llama.cpp picks by the batch size). None: one per CPU this process may run on (`usable_cpus`).
+    otherwise (llama.cpp picks by the batch size). None: one per physical core this process may run on
+    (`usable_cores`; llama.cpp's own default on a whole host).
     """
 
     def __init__(self, model: LlamaModel, num_slots: int, cells_per_slot: int, *, unified: bool = False,
@@ -249,7 +250,7 @@ class LlamaContext:
         p.kv_unified = unified
         p.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
         p.type_k = p.type_v = KV_TYPES[kv_dtype]
-        n = threads or usable_cpus()
+        n = threads or usable_cores()
         p.n_threads_batch = n
         p.n_threads = decode_threads or n
         self.model = model
