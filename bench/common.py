@@ -22,7 +22,7 @@ def machine() -> dict:
         "processor": platform.processor() or platform.machine(),
         "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
-        # The affinity mask, which thread defaults follow (edgefinfer.cpus; read here without the
+        # The affinity mask, which thread defaults follow (edgefinfer.libraries.cpus; read here without the
         # package, which bench/first_run.py runs before installing).
         "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),

@@ -65,7 +65,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import RESULTS, machine, print_table, result_stem, versions, write_results  # noqa: E402
-from edgefinfer.cpus import usable_cores  # noqa: E402
+from edgefinfer.libraries.cpus import usable_cores  # noqa: E402
 
 PROMPTS = [
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",

@@ -16,7 +16,7 @@ import threading
 from urllib.parse import urlparse
 
 from edgefinfer.errors import UserError
-from edgefinfer.cpus import usable_cpus
+from edgefinfer.libraries.cpus import usable_cpus
 from edgefinfer.server_gpu.replica_spec import ReplicaSpec
 
 INSTALL_HINT = "pip install 'edgefinfer[replicas]' (ray[serve])"

@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from edgefinfer.cpus import affinity_cap, usable_cores
+from edgefinfer.libraries.cpus import affinity_cap, usable_cores
 from tests.server_harness import ROOT, tiny_gguf
 
 needs_two = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 if hasattr(os, "sched_getaffinity") else True,
@@ -24,7 +24,7 @@ def test_usable_cpus_reads_the_affinity_mask_not_the_host():
     one = min(os.sched_getaffinity(0))
     code = f"""
         import os
-        from edgefinfer.cpus import usable_cpus
+        from edgefinfer.libraries.cpus import usable_cpus
         os.sched_setaffinity(0, {{{one}}})
         print(usable_cpus(), os.cpu_count())
     """

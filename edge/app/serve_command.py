@@ -13,8 +13,8 @@ import sys
 import click
 
 from edgefinfer.app.entry_point import run_command
-from edgefinfer.cpus import usable_cores
 from edgefinfer.errors import UserError
+from edgefinfer.libraries.cpus import usable_cores
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})

@@ -37,8 +37,8 @@ import numpy as np
 import torch
 
 from edgefinfer.bundle.artefact import PTE_SLOT_POSITIONS, pte_kv_buffers, read_spec
-from edgefinfer.cpus import affinity_cap
 from edgefinfer.errors import UserError
+from edgefinfer.libraries.cpus import affinity_cap
 from edgefinfer.runtime.backends.base import UNBOUNDED
 
 # The kernel libraries an edgefinfer .pte may use: the Python module ExecuTorch registers each with, and

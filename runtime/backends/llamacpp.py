@@ -22,8 +22,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from edgefinfer.cpus import usable_cpus
 from edgefinfer.errors import UserError
+from edgefinfer.libraries.cpus import usable_cpus
 from edgefinfer.runtime.backends.base import UNBOUNDED
 from edgefinfer.runtime.backends.llamacpp_binding import CellFormat, LlamaContext, LlamaModel, runtime_cells
 

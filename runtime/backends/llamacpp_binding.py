@@ -24,9 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
-from edgefinfer.cpus import usable_cores
 from edgefinfer.errors import UserError
 from edgefinfer.files.untrusted import GgufHeader, check_gguf
+from edgefinfer.libraries.cpus import usable_cores
 from edgefinfer.runtime.backends.llamacpp_lib import llama_cpp_lib, silence, take_early_load
 
 KV_TYPES = {"f32": 0, "f16": 1}  # ggml_type ids

@@ -32,8 +32,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from edgefinfer.bundle.artefact import read_spec
-from edgefinfer.cpus import affinity_cap
 from edgefinfer.errors import UserError
+from edgefinfer.libraries.cpus import affinity_cap
 from edgefinfer.libraries.ort_ep import import_ort as _import_ort
 from edgefinfer.libraries.ort_ep import qnn_context_session
 from edgefinfer.runtime.backends.base import UNBOUNDED
