@@ -23,7 +23,6 @@ from typing import Callable, Sequence
 import numpy as np
 
 from edgefinfer.errors import UserError
-from edgefinfer.libraries.cpus import usable_cpus
 from edgefinfer.runtime.backends.base import UNBOUNDED
 from edgefinfer.runtime.backends.llamacpp_binding import CellFormat, LlamaContext, LlamaModel, runtime_cells
 
@@ -48,14 +47,15 @@ class LlamaCppBackend:
             n_ctx = num_sinks + window  # cells: never more are held
         else:
             self.model.check_window(n_ctx, "--max-seq-len")
-        cores = usable_cpus()
         # The cells: exact f32 for float weights, llama.cpp's f16 for quantized ones, plain attention
-        # (`runtime_cells` says why). Without `threads`, llama-cpp-python's defaults (which this
-        # backend used before): half the cores for one-token steps, all of them for prompts.
+        # (`runtime_cells` says why). Without `threads`, llama.cpp's own default: one thread per physical
+        # core, for prompts and one-token steps alike (`LlamaContext`). It used to keep llama-cpp-python's,
+        # half the CPUs for steps: a proxy for the physical cores on SMT hosts, and on a 2-core host without
+        # SMT one thread for the decode that is compute-bound.
         self.cells = cells or runtime_cells(self.model.header)
         self.ctx = LlamaContext(self.model, 1, n_ctx, kv_dtype=self.cells.dtype, flash_attn=self.cells.flash_attn,
                                 max_tokens=min(n_ctx, self.N_BATCH),
-                                threads=threads or cores, decode_threads=threads or max(cores // 2, 1))
+                                threads=threads)
         self.window = window
         self.num_sinks = num_sinks
         self.vocab_size = self.model.vocab_size

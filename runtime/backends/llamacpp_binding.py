@@ -227,14 +227,13 @@ def _free_context(lib, ctx, batch, model: LlamaModel) -> None:
 class LlamaContext:
     """One llama context holding `num_slots` sequences, and a reusable batch of `max_tokens` tokens.
 
-    threads: for batches of several tokens, and for one-token steps unless `decode_threads` says
-    otherwise (llama.cpp picks by the batch size). None: one per physical core this process may run on
-    (`usable_cores`; llama.cpp's own default on a whole host).
+    threads: for batches of several tokens and for one-token steps alike. None: one per physical core
+    this process may run on (`usable_cores`; llama.cpp's own default on a whole host).
     """
 
     def __init__(self, model: LlamaModel, num_slots: int, cells_per_slot: int, *, unified: bool = False,
                  flash_attn: bool = False, kv_dtype: str = "f32", threads: int | None = None,
-                 decode_threads: int | None = None, max_tokens: int = 512, total_cells: int | None = None):
+                 max_tokens: int = 512, total_cells: int | None = None):
         lib = self.lib = model.lib
         if kv_dtype not in KV_TYPES:
             raise UserError(f"unknown KV dtype {kv_dtype!r}: use one of {', '.join(KV_TYPES)}")
@@ -252,7 +251,7 @@ class LlamaContext:
         p.type_k = p.type_v = KV_TYPES[kv_dtype]
         n = threads or usable_cores()
         p.n_threads_batch = n
-        p.n_threads = decode_threads or n
+        p.n_threads = n
         self.model = model
         self.ptr = lib.llama_init_from_model(model.ptr, p)
         if not self.ptr:
