@@ -53,7 +53,8 @@ def child_ours(backend_kind: str, path: str, prompt: list[int], n: int, threads:
     from edgefinfer.runtime.decode import generate_tokens
     from edgefinfer.runtime.engine import open_backend
 
-    backend, _, _ = open_backend(Path(path), backend_kind, threads=threads, max_seq_len=len(prompt) + n + 8)
+    backend, _, _ = open_backend(Path(path), backend_kind, threads=threads or None,  # 0: the runtime's default
+                                 max_seq_len=len(prompt) + n + 8)
     inner = {"s": 0.0}
     forward = backend.forward
 
@@ -86,8 +87,9 @@ def child_ours(backend_kind: str, path: str, prompt: list[int], n: int, threads:
 def child_llamacpp_peer(path: str, prompt: list[int], n: int, threads: int) -> dict:
     import llama_cpp
 
-    llm = llama_cpp.Llama(path, n_ctx=len(prompt) + n + 8, n_threads=threads, n_threads_batch=threads,
-                          verbose=False)
+    # 0: llama-cpp-python's own defaults (half the CPUs for one-token steps, all of them for prompts).
+    llm = llama_cpp.Llama(path, n_ctx=len(prompt) + n + 8, n_threads=threads or None,
+                          n_threads_batch=threads or None, verbose=False)
     llm.create_completion(prompt, max_tokens=4, temperature=0.0)  # warm-up
     llm.reset()
     t0 = time.perf_counter()
