@@ -1,6 +1,6 @@
 """Thread defaults follow the CPUs a process may run on, not the host's count: under `taskset` or a
 container's cpuset, llama.cpp with one thread per host CPU runs spinning threads on shared cores. The
-server's llama.cpp threads are one per physical core (SMT siblings counted once), llama.cpp's default."""
+server's and `run`'s llama.cpp threads are one per physical core (SMT siblings once), llama.cpp's default."""
 
 from __future__ import annotations
 
