@@ -157,7 +157,9 @@ def run_interactive(chat: Chat) -> None:
 @click.option("--kv", default=None, help="KV cache: static (default) | window:N[,sinks:S] | paged:BLOCK.")
 @click.option("--speculative", default=None, help="draft:PATH[,K] | lookup[:NGRAM][,K].")
 @click.option("--max-seq-len", type=click.IntRange(1), default=None, help="Context (tokens) of the cache.")
-@click.option("--threads", type=int, default=None, help="Intra-op threads.")
+@click.option("--threads", type=int, default=None,
+              help="Intra-op threads (default: llama.cpp one per physical core; ExecuTorch, ONNX Runtime "
+              "and torch their own, within a narrowed CPU mask).")
 @prefill_grid_option
 @click.option("--messages", "messages", default=None, metavar="FILE",
               help="Non-interactive: messages and /commands one per line from FILE (- for stdin).")

@@ -123,7 +123,9 @@ def _sampling_options(f):
         click.option("--stream/--no-stream", default=True, show_default=True),
         click.option("--kv", default=None, help="KV cache: static (default) | window:N[,sinks:S] | paged:BLOCK."),
         click.option("--speculative", default=None, help="draft:PATH[,K] | lookup[:NGRAM][,K]."),
-        click.option("--threads", type=int, default=None, help="Intra-op threads."),
+        click.option("--threads", type=int, default=None,
+                     help="Intra-op threads (default: llama.cpp one per physical core; ExecuTorch, ONNX Runtime "
+                     "and torch their own, within a narrowed CPU mask)."),
         click.option("--json-schema", "json_schema", type=click.Path(dir_okay=False), default=None,
                      help="Constrain the output to this JSON schema (a file)."),
         click.option("--regex", default=None, help="Constrain the output to match this regular expression."),
