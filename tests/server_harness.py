@@ -10,6 +10,7 @@ import asyncio
 import collections
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -208,10 +209,26 @@ def load_with_disconnects(url: str, name: str, requests: int, concurrency: int, 
 
 
 # ------------------------------------------------------------------------------------------ processes
+# Ports for servers a test starts by number: below the kernel's ephemeral range (32768-60999 here), from
+# which every port the OS picks comes (`bind(0)`, outgoing connections, the other xdist worker's
+# servers, Ray's own), and above `ray start`'s worker ports (10002-19999). A port that `bind(0)` had
+# just found free was taken by another process before the server bound it: a replicas cluster failed
+# to bind, and another server on that port answered its /health.
+SERVER_PORTS = range(20000, 32768)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port in SERVER_PORTS that nothing listens on now."""
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.choice(SERVER_PORTS)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {SERVER_PORTS.start}-{SERVER_PORTS.stop - 1}")
 
 
 def start_serve(model: str, port: int, *args: str, log: Path) -> subprocess.Popen:

@@ -12,7 +12,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,7 +28,7 @@ from edgefinfer.server_gpu import prefix_router  # noqa: E402
 from edgefinfer.server_gpu.api import create_app  # noqa: E402
 from edgefinfer.server_gpu.launch import BackgroundServer  # noqa: E402
 from edgefinfer.server_gpu.loader import ServeOptions, build_engine  # noqa: E402
-from tests.server_harness import ROOT, tiny_gguf, wait_healthy  # noqa: E402
+from tests.server_harness import ROOT, free_port, tiny_gguf, wait_healthy  # noqa: E402
 
 pytestmark = [pytest.mark.llamacpp]
 
@@ -46,15 +45,9 @@ def gguf(tmp_path_factory) -> str:
     return str(tiny_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf"))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start_cluster(gguf: str, log, *extra: str) -> tuple[str, subprocess.Popen]:
     """`edgefinfer serve GGUF --replicas 2 --threads 1 ...` in its own process (its own local Ray)."""
-    port = _free_port()
+    port = free_port()
     with open(log, "w") as out:  # a file, not a pipe: nobody reads Ray's chatter while the tests run
         proc = subprocess.Popen([*SERVE, gguf, "--replicas", "2", "--threads", "1", "--port", str(port), "--api-key", "k",
                                  *FLAGS, *extra],
