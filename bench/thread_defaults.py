@@ -60,6 +60,7 @@ def main() -> None:
             runs[(engine, t)].append(out)
             print(f"  round {r + 1} {engine:<9} threads {t or 'default':<8} decode {out['decode_tok_s']:6.1f} tok/s  "
                   f"prefill {out['prefill_tok_s']:6.1f} tok/s", file=sys.stderr, flush=True)
+    first = runs[settings[0]][0]["tokens"]
     rows = []
     for (engine, t), rs in runs.items():
         decode = [x["decode_tok_s"] for x in rs]
@@ -67,10 +68,7 @@ def main() -> None:
                      "threads": t or "default", "decode_tok_s": round(statistics.median(decode), 1),
                      "decode_min_max": [round(min(decode), 1), round(max(decode), 1)],
                      "prefill_tok_s": round(statistics.median(x["prefill_tok_s"] for x in rs), 1),
-                     "same_tokens_as_first_row": None})
-    first = runs[settings[0]][0]["tokens"]
-    for row, rs in zip(rows, runs.values()):
-        row["same_tokens_as_first_row"] = all(x["tokens"] == first for x in rs)
+                     "same_tokens_as_first_row": all(x["tokens"] == first for x in rs)})
     print_table(rows, ["engine", "threads", "decode_tok_s", "decode_min_max", "prefill_tok_s", "same_tokens_as_first_row"])
     write_results(args.out, {
         "rows": rows, "runs": {f"{e}:{t or 'default'}": rs for (e, t), rs in runs.items()},
