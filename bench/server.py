@@ -52,7 +52,6 @@ import itertools
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -66,6 +65,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import RESULTS, machine, print_table, result_stem, versions, write_results  # noqa: E402
 from edgefinfer.libraries.cpus import usable_cores  # noqa: E402
+# Ports below the ephemeral range: one that `bind(0)` finds free can be taken before the server binds it
+# (tests/server_harness.py says how a replicas cluster lost that race); bench/server_scale.py starts those too.
+from tests.server_harness import free_port  # noqa: E402
 
 PROMPTS = [
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -150,12 +152,6 @@ def workloads(tokenizer, quick: bool) -> list[Workload]:
 
 
 # ------------------------------------------------------------------------------------- servers
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass
 class ServerProcess:
     name: str
