@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import time
 from importlib import metadata
 from pathlib import Path
@@ -38,6 +39,12 @@ def cpu_model() -> str | None:
             return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
     except OSError:
         return None
+
+
+def uptime() -> str:
+    """`uptime`'s line: the host's load, recorded before and after a measurement (a busy host makes every
+    figure noisy, and flatters whichever engine suffers less from sharing the cores)."""
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
 
 def versions(*packages: str) -> dict:

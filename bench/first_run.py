@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, machine  # noqa: E402
+from common import RESULTS, machine, uptime  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_BUNDLE = "dist/android"  # where the Makefile's demo writes its bundle
@@ -123,10 +123,6 @@ def timed(cmd: Sequence[str], cwd: Path, env: dict[str, str]) -> tuple[float, li
             lines.append((time.perf_counter() - t0, line.rstrip("\n")))
             print(f"  | {line}", end="", flush=True)
     return time.perf_counter() - t0, lines, proc.returncode
-
-
-def uptime() -> str:
-    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
 
 def _check(what: str, rc: int, lines: Sequence[Line]) -> None:

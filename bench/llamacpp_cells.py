@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, print_table, versions, write_results  # noqa: E402
+from common import machine, print_table, uptime, versions, write_results  # noqa: E402
 
 FORMATS = (("f32", False), ("f16", False), ("f16", True))
 SPLITS = (2, 4, 8, 16, 32, 48, 64)
@@ -85,7 +84,7 @@ def main() -> None:
 
     gguf = reference.gguf_path("smollm2-135m")
     ids = [int(t) for t in np.random.default_rng(0).integers(100, 40000, 1000)]
-    before = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    before = uptime()
     samples: dict[tuple, list[dict]] = {f: [] for f in FORMATS}
     for r in range(args.rounds):
         for f in FORMATS[r % len(FORMATS):] + FORMATS[:r % len(FORMATS)]:  # rotated: no format always first
@@ -102,7 +101,7 @@ def main() -> None:
         rows.append(row)
     payload = {"machine": machine(), "versions": versions("llama-cpp-python"), "model": gguf.name,
                "threads": args.threads, "rounds": args.rounds, "uptime_before": before,
-               "uptime_after": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(),
+               "uptime_after": uptime(),
                "load_avg_end": [round(x, 2) for x in os.getloadavg()], "rows": rows}
     out = write_results("llamacpp_cells", payload)
     print_table(rows, ["kv", "flash_attn", "prefill_400_s", "turn_44_at_813_s", "decode_at_64_tok_s",

@@ -63,7 +63,7 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.common import RESULTS, machine, print_table, result_stem, versions, write_results  # noqa: E402
+from bench.common import RESULTS, machine, print_table, result_stem, uptime, versions, write_results  # noqa: E402
 from edgefinfer.libraries.cpus import usable_cores  # noqa: E402
 # Ports below the ephemeral range: one that `bind(0)` finds free can be taken before the server binds it
 # (tests/server_harness.py says how a replicas cluster lost that race); bench/server_scale.py starts those too.
@@ -420,11 +420,6 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------- main
-def _uptime() -> str:
-    """The host's load, recorded before and after: a busy host makes every figure noisy."""
-    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-
-
 def median_row(key: tuple, runs: list[dict]) -> dict:
     mine = [r for r in runs if (r["server"], r["config"], r["workload"], r["concurrency"]) == key]
     med = {k: round(statistics.median(r[k] for r in mine), 4) for k in ("tok_s", "ttft_p50_s", "ttft_p99_s")}
@@ -525,7 +520,7 @@ def main() -> None:
                 for w in plan]
     runs: list[dict] = []
     t0 = time.time()
-    uptime_before = _uptime()
+    uptime_before = uptime()
     print(f"model {gguf.name}, threads {args.threads}, max_tokens {max_tokens}, repeats {args.repeats}, "
           f"llama-server {binary}", flush=True)
     def chosen(key: tuple[str, str]) -> bool:
@@ -591,7 +586,7 @@ def main() -> None:
                "max_tokens": max_tokens, "quick": args.quick, "repeats": args.repeats,
                "kv_dtype": "f16 (all but edgefinfer batch-invariant: f32)",
                "flash_attn": f"{args.flash_attn} (all but edgefinfer batch-invariant: off)",
-               "uptime_before": uptime_before, "uptime_after": _uptime(),
+               "uptime_before": uptime_before, "uptime_after": uptime(),
                "llama_server": {"binary": str(binary), "slots": SLOTS, "slot_ctx": SLOT_CTX,
                                 "flags": (binary.parent / "flags.txt").read_text().strip()
                                 if (binary.parent / "flags.txt").is_file() else None},

@@ -48,7 +48,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import bench.server as sb  # noqa: E402
-from bench.common import RESULTS, machine, print_table, result_stem, versions, write_results  # noqa: E402
+from bench.common import RESULTS, machine, print_table, result_stem, uptime, versions, write_results  # noqa: E402
 
 CHATS = 64
 CLIENTS = 16
@@ -329,7 +329,7 @@ def main() -> None:
     arms = [a for a in args.arms.split(",") if a in flags]
     logs = Path(tempfile.gettempdir()) / "edgefinfer-server-scale"  # each server's stderr (Ray's among it)
     logs.mkdir(parents=True, exist_ok=True)
-    uptime_before, t0 = sb._uptime(), time.time()
+    uptime_before, t0 = uptime(), time.time()
     print(f"server logs in {logs}; model {gguf.name}, {CHATS} chats at C = {CLIENTS}, {max_tokens} tokens, {repeats} repeat(s); "
           f"{uptime_before}", flush=True)
     runs: list[dict] = []
@@ -362,7 +362,7 @@ def main() -> None:
                    "repeats_note": "each arm's repeats run back to back on one server (a Ray instance starts once "
                                    "per arm); arms run one after another, so the host's load can differ between arms",
                    "model": gguf.name, "machine": machine(), "uptime_before": uptime_before, "uptime_by_arm": uptimes,
-                   "uptime_after": sb._uptime(), "versions": versions("llama-cpp-python", "ray", "fastapi", "httpx"),
+                   "uptime_after": uptime(), "versions": versions("llama-cpp-python", "ray", "fastapi", "httpx"),
                    "elapsed_s": round(time.time() - t0, 1)}
         payload["complete"] = done == arms
         return rows, summary, write_results(args.out, payload, quick=args.quick)
@@ -372,7 +372,7 @@ def main() -> None:
         with arm_server(arm, *flags[arm], args.gpu_layers, gguf, banned, logs / f"{args.out}-{arm}.log") as server:
             startup_s = round(time.monotonic() - started, 1)
             print(f"{arm}: up in {startup_s} s", flush=True)
-            uptimes[arm] = [sb._uptime()]
+            uptimes[arm] = [uptime()]
             # Each system prompt seen once before the first measured run, through the arm's routing.
             asyncio.run(sb.run_level(server, [chat(tokenizer, s, "Hello.") for s in systems], 1, 2))
             for rep in range(repeats):
@@ -380,7 +380,7 @@ def main() -> None:
                 runs.append({"arm": arm, "repeat": rep, "startup_s": startup_s, **run})
             if arm == "affinity" and not args.no_fault:
                 fault = fault_run(server, work, max_tokens, tokenizer, len(runs) + 100, args.hung_after_s)
-            uptimes[arm].append(sb._uptime())
+            uptimes[arm].append(uptime())
         if i < len(arms) - 1:
             results(arms[: i + 1])
     rows, summary, path = results(arms)

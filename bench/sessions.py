@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, print_table, versions, write_results  # noqa: E402
+from common import machine, print_table, uptime, versions, write_results  # noqa: E402
 
 BACKENDS = ("executorch", "onnxruntime", "llamacpp", "torch")
 TARGETS = {"onnxruntime": "linux-x86_64", "executorch": "android"}
@@ -65,11 +65,6 @@ CTX = 1024
 TOPICS = ["a lighthouse keeper", "the history of tea", "a bicycle repair", "the rings of Saturn", "a village bakery",
           "the migration of eels", "an old clock tower", "the first printing press", "a winter garden",
           "a river delta", "a chess tournament"]
-
-
-def uptime() -> str:
-    """`uptime`'s line (the shared host's load, recorded before and after each measurement)."""
-    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
 
 def messages(n: int) -> list[str]:

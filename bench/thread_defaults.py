@@ -16,19 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import runtime as R  # noqa: E402
-from common import machine, print_table, versions, write_results  # noqa: E402
-
-
-def uptime() -> str:
-    """The host's load, before and after: a busy host makes every figure noisy."""
-    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+from common import machine, print_table, uptime, versions, write_results  # noqa: E402
 
 
 def main() -> None:
